@@ -1,0 +1,1 @@
+"""Core types shared by every layer: config, clock, registry, KV layout. Imports nothing from kvrelay."""

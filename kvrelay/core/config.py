@@ -1,0 +1,79 @@
+"""One frozen config dataclass per component, grouped under `KVRelayConfig`.
+
+The field defaults are the CLI defaults: `kvrelay.cli` builds its flags from these fields
+(name `max_kv_tokens` becomes `--max-kv-tokens`, help from `metadata["help"]`). Values
+discovered at run time (page count, EOS ids, context length) live in runtime objects,
+never here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _f(default, help: str, **extra):
+    return field(default=default, metadata={"help": help, **extra})
+
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    model: str = _f(DEFAULT_MODEL, "model to serve: the built-in default, a .gguf file, a Hugging Face "
+                    "directory (config.json + *.safetensors + tokenizer), or random:<config.json>")
+    dtype: str = _f("bfloat16", "compute and KV dtype", choices=("float32", "bfloat16"))
+    served_model_name: str | None = _f(None, "model name reported by the API (default: derived from --model)")
+    seed: int = _f(0, "seed for random-weight models")
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    page_size: int = _f(16, "tokens per KV page")
+    max_kv_tokens: int | None = _f(None, "KV capacity in tokens (overrides --kv-cache-gb)")
+    kv_cache_gb: float = _f(1.0, "KV capacity in GiB when --max-kv-tokens is not given")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = _f(64, "most requests in the running batch")
+    max_prefill_tokens: int = _f(4096, "prompt tokens per prefill step")
+    max_model_len: int | None = _f(None, "longest prompt + completion (default: the model's context)")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = _f("127.0.0.1", "address to listen on")
+    port: int = _f(8000, "port to listen on")
+    log_level: str = _f("info", "log level", choices=("debug", "info", "warning", "error"))
+
+
+@dataclass(frozen=True)
+class LifecycleConfig:
+    heartbeat_interval: float = _f(1.0, "seconds between P<->D heartbeats")
+    heartbeat_misses: int = _f(3, "missed heartbeats after which a peer is dead")
+    bootstrap_timeout: float = _f(60.0, "backstop for the bootstrap phase, seconds")
+    queue_timeout: float = _f(120.0, "backstop for P's queued phase, seconds")
+    waiting_timeout: float = _f(120.0, "backstop for D's waiting phase, seconds")
+    transfer_timeout: float = _f(60.0, "backstop for P's transfer phase, seconds")
+    max_request_time: float | None = _f(None, "optional backstop for D's decode phase, seconds")
+    quarantine_grace: float = _f(5.0, "extra seconds a one-sided backend keeps a failed request's "
+                                 "pages after the transfer deadline")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    transfer_backend: str = _f("shm", "KV transfer backend", choices=("shm", "tcp", "nixl", "fake"))
+    transfer_host: str = _f("127.0.0.1", "address the transfer endpoint binds and advertises")
+    transfer_port: int = _f(0, "port of the transfer endpoint (0: pick a free one)")
+    fault_spec: str | None = _f(None, "fault injection spec, e.g. 'drop_ack=1.0;delay_ctrl=0.2' "
+                                "(also read from KVRELAY_FAULTS)")
+
+
+@dataclass(frozen=True)
+class KVRelayConfig:
+    model: ModelOptions = field(default_factory=ModelOptions)
+    kv: KVCacheConfig = field(default_factory=KVCacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)

@@ -1,0 +1,32 @@
+"""What the runner hands a model for one forward pass (pure data, built by the runner).
+
+Tokens of all B sequences in the batch are flattened into T rows. Each sequence has
+`q_lens[b]` new tokens this pass and `kv_lens[b]` tokens of KV after it (cached + new);
+prefill passes have q_len > 1 (kv_len > q_len for a later chunk), decode passes q_len = 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor      # [T] int64
+    positions: torch.Tensor      # [T] int64, absolute positions (RoPE)
+    q_lens: list[int]            # [B] new tokens per sequence; sum == T
+    kv_lens: list[int]           # [B] KV length per sequence after this pass
+    write_pages: torch.Tensor    # [T] int64: page that receives each new token's K/V
+    write_offsets: torch.Tensor  # [T] int64: slot within that page
+    read_pages: torch.Tensor     # [B, max_kv] int64: page of each key position (0 where padded)
+    read_offsets: torch.Tensor   # [B, max_kv] int64
+    attn_mask: torch.Tensor      # [B, 1, max_q, max_kv] bool, True = may attend (causal + padding)
+    q_index: torch.Tensor        # [B, max_q] int64 row in T of each padded query (0 where padded)
+    q_valid: torch.Tensor        # [B, max_q] bool, False where padded
+    logits_index: torch.Tensor   # [B] int64 row in T whose logits are returned (last new token)
+    no_prefix: bool = False      # True when every kv_len == q_len: attention may use the fresh K/V
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.q_lens)

@@ -1,0 +1,52 @@
+"""The model plug-in point: an architecture config, the CausalLM contract, a registry."""
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kvrelay.core.registry import Registry
+from kvrelay.engine.forward import ForwardBatch
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """The shape of a decoder-only model, read from a HF config.json or GGUF metadata."""
+    architecture: str            # registry key, e.g. "LlamaForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = field(default=None, hash=False, compare=False)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has q/k/v bias
+
+
+class CausalLM(nn.Module):
+    """Contract for every architecture:
+
+    - `__init__(arch: ArchConfig)` builds the module with uninitialised weights.
+    - `forward(batch, kv)` computes the new tokens of `batch`; for every layer it first
+      writes their K and V into `kv.k_cache(layer)` / `kv.v_cache(layer)` at
+      (`batch.write_pages`, `batch.write_offsets`), then attends over the keys at
+      (`batch.read_pages`, `batch.read_offsets`) under `batch.attn_mask`.
+      It returns float32 logits [B, vocab] for the rows in `batch.logits_index`.
+    - `load_weights(named)` takes (HF-style name, tensor) pairs, already un-permuted.
+    """
+
+    @abstractmethod
+    def forward(self, batch: ForwardBatch, kv) -> torch.Tensor: ...
+
+    @abstractmethod
+    def load_weights(self, named) -> None: ...
+
+
+MODELS: Registry[type[CausalLM]] = Registry("model architecture")
