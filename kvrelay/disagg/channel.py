@@ -1,0 +1,164 @@
+"""The control channel between workers: addressed, unreliable, never blocking.
+
+Contract (every implementation):
+- `send(dst, msg, frames)` never blocks. It returns False when the message was dropped
+  (peer unknown, queue full); the lifecycle treats loss like any other fault (resends,
+  leases, deadlines), so no caller ever waits on a send.
+- `recv()` never blocks; it returns whatever has arrived, each with its sender's address.
+- Messages between one pair of channels arrive in send order, at most once (a
+  FaultyChannel in front may break both on purpose).
+- Extra `frames` are raw bytes (bulk KV data); they pass through untouched.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvrelay.disagg import wire
+
+Frame = bytes | bytearray | memoryview
+
+# Frames at least this big go to zmq without a copy.
+ZERO_COPY_MIN = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Received:
+    src: str               # the sender's control address: where replies go
+    msg: wire.Message
+    frames: tuple = ()     # raw data frames (memoryview-compatible), empty for control
+
+
+class Channel(ABC):
+    """One worker's control endpoint. `address` is what peers send to."""
+    address: str
+
+    @abstractmethod
+    def send(self, dst: str, msg: wire.Message, frames: Sequence[Frame] = ()) -> bool: ...
+
+    @abstractmethod
+    def recv(self, max_n: int = 10_000) -> list[Received]: ...
+
+    def forget(self, dst: str) -> None:
+        """Drop any per-peer state (e.g. a socket to a dead peer)."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+# ---- in-process (the `fake` backend and unit tests) ---------------------------------
+
+class InProcNetwork:
+    """A set of in-process channels that can reach each other by address."""
+
+    def __init__(self) -> None:
+        self.queues: dict[str, deque[Received]] = {}
+        self._next = 0
+
+    def channel(self, name: str | None = None) -> "InProcChannel":
+        if name is None:
+            self._next += 1
+            name = f"inproc://w{self._next}"
+        return InProcChannel(self, name)
+
+
+class InProcChannel(Channel):
+    """Every message goes through wire.encode/decode, so the fake backend exercises the
+    same serialization the real ones do."""
+
+    def __init__(self, network: InProcNetwork, address: str) -> None:
+        if address in network.queues:
+            raise ValueError(f"address {address} already bound")
+        self.network = network
+        self.address = address
+        network.queues[address] = deque()
+
+    def send(self, dst: str, msg: wire.Message, frames: Sequence[Frame] = ()) -> bool:
+        q = self.network.queues.get(dst)
+        if q is None:
+            return False
+        src, decoded = wire.decode(wire.encode(msg, self.address))
+        q.append(Received(src, decoded, tuple(bytes(f) for f in frames)))
+        return True
+
+    def recv(self, max_n: int = 10_000) -> list[Received]:
+        q = self.network.queues.get(self.address)
+        out: list[Received] = []
+        while q and len(out) < max_n:
+            out.append(q.popleft())
+        return out
+
+    def close(self) -> None:
+        self.network.queues.pop(self.address, None)
+
+
+# ---- zmq (every real backend) -------------------------------------------------------
+
+class ZmqChannel(Channel):
+    """One PULL socket bound at tcp://host:port; one PUSH socket per peer, connected on
+    first send. All sends are NOBLOCK with linger 0: a full or dead peer drops messages
+    rather than stalling the scheduler loop."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, hwm: int = 10_000) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self._ctx = zmq.Context.instance()
+        self._hwm = hwm
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.RCVHWM, hwm)
+        if port == 0:
+            port = self._pull.bind_to_random_port(f"tcp://{host}")
+        else:
+            self._pull.bind(f"tcp://{host}:{port}")
+        self.address = f"tcp://{host}:{port}"
+        self._push: dict[str, object] = {}
+
+    def _socket(self, dst: str):
+        sock = self._push.get(dst)
+        if sock is None:
+            zmq = self._zmq
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, self._hwm)
+            sock.connect(dst)
+            self._push[dst] = sock
+        return sock
+
+    def send(self, dst: str, msg: wire.Message, frames: Sequence[Frame] = ()) -> bool:
+        zmq = self._zmq
+        parts = [wire.encode(msg, self.address), *frames]
+        big = any(len(memoryview(f)) >= ZERO_COPY_MIN for f in frames)
+        try:
+            self._socket(dst).send_multipart(parts, flags=zmq.NOBLOCK, copy=not big)
+            return True
+        except zmq.Again:
+            return False
+
+    def recv(self, max_n: int = 10_000) -> list[Received]:
+        zmq = self._zmq
+        out: list[Received] = []
+        while len(out) < max_n:
+            try:
+                parts = self._pull.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                src, msg = wire.decode(parts[0].buffer)
+            except wire.WireError:
+                continue  # a foreign or corrupt frame never stops the loop
+            out.append(Received(src, msg, tuple(p.buffer for p in parts[1:])))
+        return out
+
+    def forget(self, dst: str) -> None:
+        sock = self._push.pop(dst, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def close(self) -> None:
+        for dst in list(self._push):
+            self.forget(dst)
+        self._pull.close(linger=0)

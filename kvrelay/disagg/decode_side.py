@@ -1,0 +1,181 @@
+"""The decode worker's request lifecycle: bootstrap -> waiting -> decode -> done.
+
+The decode worker's scheduler loop drives it: `add()` per request, `step()` once per
+iteration, `take_ready()` to admit rooms whose KV and first token arrived, `finish()` when
+decoding ends.
+
+Invariants:
+- `reserve(room, n)` -> (pages, epoch) | None is retried every iteration while the pool is
+  full (bounded by the bootstrap deadline and P's lease); the epoch must be new per reuse.
+- `release(room, pages)` is called exactly once per reserved room: on finish, or on failure
+  (two-sided: at once; one-sided: when the quarantine ends: P confirmed Stopped, P is dead or
+  restarted, or transfer_timeout + quarantine_grace passed since the failure).
+- The receiver is closed (its pages stop accepting bytes) before its pages are released.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from kvrelay.core.clock import Clock
+from kvrelay.core.config import LifecycleConfig
+from kvrelay.disagg import wire
+from kvrelay.disagg.lease import Coordinator
+from kvrelay.disagg.lifecycle import (D_TRANSITIONS, DPhase, Lifecycle, Reason, Room, TerminalEvent,
+                                      d_deadlines, phase_name)
+from kvrelay.disagg.transfer.base import KVReceiver, TransferManager, TransferStatus
+
+S = TransferStatus
+Reserve = Callable[[int, int], "tuple[list[int], int] | None"]
+
+
+@dataclass
+class Quarantined:
+    room: int
+    peer: str | None
+    pages: list[int]
+    until: float
+    receiver: KVReceiver
+
+
+class DecodeSide(Coordinator):
+    side = "decode"
+
+    def __init__(self, cfg: LifecycleConfig, manager: TransferManager, clock: Clock,
+                 reserve: Reserve, release: Callable[[int, list[int]], None],
+                 on_terminal: Callable[[TerminalEvent], None] | None = None,
+                 capacity: int | None = None) -> None:
+        lc = Lifecycle(self.side, DPhase, D_TRANSITIONS, d_deadlines(cfg), clock, on_terminal)
+        super().__init__(cfg, manager, clock, lc)
+        self.reserve, self.release, self.capacity = reserve, release, capacity
+        self._receivers: dict[int, KVReceiver] = {}
+        self._ready: list[int] = []
+        self.quarantine: dict[int, Quarantined] = {}
+
+    # ---- the worker's calls -------------------------------------------------------------
+    def add(self, room: int, rid: str, prefill_address: str, n_pages: int) -> None:
+        """Admit a request whose KV (n_pages pages) comes from the P at prefill_address."""
+        r = self.lc.add(room, rid, peer=prefill_address)
+        r.data["n_pages"] = n_pages
+        self.leases.expect(prefill_address)
+        rcv = self._receivers[room] = self.manager.receiver(room)
+        rcv.init(prefill_address)
+        if self.capacity is not None and n_pages > self.capacity:
+            self._fail(r, Reason.INVALID_REQUEST.value,
+                       f"needs {n_pages} KV pages, the pool has {self.capacity}")
+
+    def take_ready(self) -> list[tuple[int, wire.Aux]]:
+        """Rooms whose KV and aux have all arrived; they enter decode and keep their pages
+        until finish() or abort()."""
+        out = []
+        for room in self._ready:
+            r = self.lc.rooms.get(room)
+            rcv = self._receivers.get(room)
+            if r is None or r.phase is not DPhase.WAITING or rcv is None or rcv.poll() is not S.SUCCESS:
+                continue
+            aux = rcv.aux()
+            assert aux is not None
+            self.lc.move(room, DPhase.DECODE)
+            del self._receivers[room]
+            rcv.close()
+            out.append((room, aux))
+        self._ready = []
+        return out
+
+    def finish(self, room: int) -> bool:
+        """Decoding ended normally: done, pages released."""
+        r = self.lc.rooms.get(room)
+        if r is None or r.phase is not DPhase.DECODE:
+            return False
+        self.lc.end(room, DPhase.DONE)
+        self._release(r)
+        self._tombstone(r, "done")
+        return True
+
+    def abort(self, room: int, reason: str = Reason.ABORTED.value, detail: str = "") -> bool:
+        """End the room now, in any phase; P is told. False if it is not live."""
+        r = self.lc.rooms.get(room)
+        if r is None:
+            return False
+        self._fail(r, reason, detail)
+        return True
+
+    # ---- reactions --------------------------------------------------------------------------
+    def _poll_rooms(self) -> None:
+        for r in list(self.lc.rooms.values()):
+            rcv = self._receivers.get(r.room)
+            if rcv is None:
+                continue  # decoding: P is out of the picture
+            st = rcv.poll()
+            if st is S.FAILED:
+                self._fail(r, rcv.failure_reason or Reason.TRANSFER_ERROR.value, rcv.failure_detail)
+            elif r.phase is DPhase.BOOTSTRAP and st is S.WAITING:
+                self._try_reserve(r, rcv)
+            elif r.phase is DPhase.WAITING and st is S.SUCCESS and r.room not in self._ready:
+                self._ready.append(r.room)
+        self._end_quarantines()
+
+    def _try_reserve(self, r: Room, rcv: KVReceiver) -> None:
+        peer = self.manager.peers().get(r.peer or "")
+        if peer is not None:
+            r.peer_incarnation = peer.incarnation
+        got = self.reserve(r.room, r.data["n_pages"])
+        if got is None:
+            return  # pool full: retry next iteration
+        pages, epoch = got
+        r.data["pages"], r.data["epoch"] = list(pages), epoch
+        rcv.send_metadata(list(pages), epoch)
+        self.lc.move(r.room, DPhase.WAITING)
+
+    def _fail(self, r: Room, reason: str, detail: str) -> None:
+        rcv = self._receivers.pop(r.room, None)
+        if rcv is not None:
+            rcv.abort(reason, detail)
+        terminal = DPhase.ABORTED if reason == Reason.ABORTED.value else DPhase.FAILED
+        self.lc.end(r.room, terminal, reason, detail)
+        self._tombstone(r, phase_name(terminal))
+        if rcv is not None and rcv.may_still_write():
+            until = self.clock.now() + self.cfg.transfer_timeout + self.cfg.quarantine_grace
+            self.quarantine[r.room] = Quarantined(r.room, r.peer, r.data["pages"], until, rcv)
+            return
+        if rcv is not None:
+            rcv.close()
+        self._release(r)
+
+    def _release(self, r: Room) -> None:
+        pages = r.data.pop("pages", None)
+        if pages is not None:
+            self.release(r.room, pages)
+
+    def _end_quarantines(self, gone_peer: str | None = None) -> None:
+        now = self.clock.now()
+        for q in list(self.quarantine.values()):
+            if not q.receiver.may_still_write() or now >= q.until or q.peer == gone_peer:
+                del self.quarantine[q.room]
+                q.receiver.close()
+                self.release(q.room, q.pages)
+
+    def _peer_gone(self, address: str) -> None:
+        self._end_quarantines(gone_peer=address)
+
+    def _extra_heartbeat_rooms(self) -> dict[int, str]:
+        return {room: wire.QUARANTINE_PHASE for room in self.quarantine}
+
+    def _depends_on_peer(self, r: Room) -> bool:
+        return r.phase is not DPhase.DECODE
+
+    def _on_peer_phase(self, r: Room, phase: str) -> None:
+        if r.phase is DPhase.DECODE:
+            return
+        if phase in ("failed", "aborted"):
+            reason = Reason.ABORTED.value if phase == "aborted" else Reason.PEER_FAILED.value
+            self._fail(r, reason, f"prefill side is {phase}")
+        elif phase == "bootstrap" and r.phase is DPhase.WAITING:
+            self._receivers[r.room].resend()  # the destination may have been lost
+
+    def _backend_status(self, r: Room) -> str:
+        rcv = self._receivers.get(r.room)
+        return "released" if rcv is None else rcv.poll().name.lower()
+
+    def idle(self) -> bool:
+        return not self.lc.rooms and not self.quarantine

@@ -1,0 +1,208 @@
+"""Leases: a room stays alive while its counterpart keeps appearing in the peer's heartbeats.
+
+Rules (lifecycle.md, "Deadlines that never kill a healthy slow request"):
+- A peer that has not been heard for `heartbeat_interval * heartbeat_misses` is dead: all
+  its rooms fail (peer_failed) and it is forgotten.
+- A heartbeat with a new incarnation at the same address is a restart: every room paired
+  with the old incarnation fails.
+- A room fails when a heartbeat newer than the one that last listed it (or newer than the
+  point where the peer must know it) no longer lists it: the peer forgot it.
+- Heartbeats older than the newest one seen (reordered, duplicated) are ignored entirely.
+`Coordinator` is the machinery both PrefillSide and DecodeSide share: heartbeats out from
+`step()`, lease checks in, the watchdog pass, tombstones, debug rows.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from kvrelay.core.clock import Clock
+from kvrelay.core.config import LifecycleConfig
+from kvrelay.disagg import wire
+from kvrelay.disagg.lifecycle import Lifecycle, Reason, Room, phase_name, timeout
+from kvrelay.disagg.transfer.base import TransferManager
+
+TERMINAL_PHASES = ("done", "failed", "aborted")
+
+
+@dataclass
+class PeerLease:
+    address: str
+    incarnation: str | None
+    last_heard: float
+    last_seq: int = -1
+    rooms: dict[int, str] = field(default_factory=dict)  # from the newest heartbeat
+
+
+class Leases:
+    def __init__(self, cfg: LifecycleConfig, clock: Clock) -> None:
+        self.cfg, self.clock = cfg, clock
+        self.peers: dict[str, PeerLease] = {}
+
+    @property
+    def timeout(self) -> float:
+        return self.cfg.heartbeat_interval * self.cfg.heartbeat_misses
+
+    def expect(self, address: str) -> None:
+        """Start the lease at first contact, so a peer that never speaks dies too."""
+        if address not in self.peers:
+            self.peers[address] = PeerLease(address, None, self.clock.now())
+
+    def on_heartbeat(self, src: str, hb: wire.Heartbeat) -> str:
+        """-> "ok", "stale" (ignored) or "restarted" (old incarnation replaced)."""
+        lease = self.peers.get(src)
+        verdict = "ok"
+        if lease is not None and lease.incarnation not in (None, hb.incarnation):
+            lease, verdict = None, "restarted"
+        if lease is None:
+            lease = self.peers[src] = PeerLease(src, hb.incarnation, self.clock.now())
+        elif hb.seq <= lease.last_seq:
+            return "stale"
+        lease.incarnation, lease.last_heard = hb.incarnation, self.clock.now()
+        lease.last_seq, lease.rooms = hb.seq, dict(hb.rooms)
+        return verdict
+
+    def dead(self) -> list[str]:
+        now = self.clock.now()
+        return [a for a, lease in self.peers.items() if now - lease.last_heard >= self.timeout]
+
+    def forget(self, address: str) -> None:
+        self.peers.pop(address, None)
+
+
+class Coordinator(ABC):
+    """Shared by both sides. Subclasses define the side's reactions; `step()` order:
+    pump the backend, read heartbeats, poll every room, watchdog, heartbeat out."""
+    side = ""
+
+    def __init__(self, cfg: LifecycleConfig, manager: TransferManager, clock: Clock,
+                 lifecycle: Lifecycle) -> None:
+        self.cfg, self.manager, self.clock, self.lc = cfg, manager, clock, lifecycle
+        self.leases = Leases(cfg, clock)
+        self._last_beat = float("-inf")
+        self._tombstones: dict[int, tuple[str | None, str, float]] = {}  # room -> (peer, phase, expiry)
+
+    # ---- the side's reactions -----------------------------------------------------------
+    @abstractmethod
+    def _poll_rooms(self) -> None:
+        """Advance every live room from its sender/receiver status."""
+
+    @abstractmethod
+    def _fail(self, r: Room, reason: str, detail: str) -> None:
+        """End `r` failed/aborted: abort the transfer endpoint, release pages once."""
+
+    @abstractmethod
+    def _depends_on_peer(self, r: Room) -> bool:
+        """Whether `r` can still be harmed by its peer dying or forgetting it."""
+
+    @abstractmethod
+    def _on_peer_phase(self, r: Room, phase: str) -> None:
+        """The peer's newest heartbeat lists `r` in `phase`."""
+
+    def _backend_status(self, r: Room) -> str:
+        return ""
+
+    def _extra_heartbeat_rooms(self) -> dict[int, str]:
+        return {}
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def step(self) -> None:
+        """One scheduler iteration. Never blocks."""
+        self.manager.progress()
+        self._read_heartbeats()
+        self._poll_rooms()
+        self._watchdog()
+        self._beat()
+        self._expire_tombstones()
+
+    def _read_heartbeats(self) -> None:
+        for src, hb in self.manager.take_heartbeats():
+            verdict = self.leases.on_heartbeat(src, hb)
+            if verdict == "stale":
+                continue
+            if verdict == "restarted":
+                for r in self._rooms_of(src):
+                    if r.peer_incarnation not in (None, hb.incarnation):
+                        self._fail(r, Reason.PEER_FAILED.value, "peer restarted")
+                self._peer_gone(src)
+            for r in self._rooms_of(src):
+                self._check_lease(r, self.leases.peers[src])
+
+    def _check_lease(self, r: Room, lease: PeerLease) -> None:
+        phase = lease.rooms.get(r.room)
+        if phase is None:
+            if r.peer_known_seq is not None and lease.last_seq > r.peer_known_seq \
+                    and self._depends_on_peer(r):
+                self._fail(r, Reason.PEER_FAILED.value, "peer no longer holds the room")
+            return
+        r.peer_known_seq = lease.last_seq
+        self._on_peer_phase(r, phase)
+
+    def _watchdog(self) -> None:
+        """Every live room, every iteration: phase deadlines, then dead peers."""
+        for r in self.lc.expired():
+            if r.room in self.lc.rooms:
+                self._fail(r, timeout(r.phase), f"{phase_name(r.phase)} deadline passed")
+        for address in self.manager.peers():
+            self.leases.expect(address)
+        for address in self.leases.dead():
+            for r in self._rooms_of(address):
+                if self._depends_on_peer(r):
+                    self._fail(r, Reason.PEER_FAILED.value,
+                               f"peer missed {self.cfg.heartbeat_misses} heartbeats")
+            self._peer_dead(address)
+
+    def _peer_dead(self, address: str) -> None:
+        self.leases.forget(address)
+        self.manager.forget_peer(address)
+        self._peer_gone(address)
+
+    def _peer_gone(self, address: str) -> None:
+        """The peer's old incarnation can no longer act (dead or restarted)."""
+
+    def _rooms_of(self, address: str) -> list[Room]:
+        return [r for r in list(self.lc.rooms.values()) if r.peer == address]
+
+    def _beat(self) -> None:
+        now = self.clock.now()
+        if now - self._last_beat < self.cfg.heartbeat_interval:
+            return
+        self._last_beat = now
+        targets = set(self.manager.peers()) | {r.peer for r in self.lc.rooms.values() if r.peer}
+        extra = self._extra_heartbeat_rooms()
+        for address in sorted(targets):
+            rooms = {r.room: phase_name(r.phase) for r in self.lc.rooms.values()
+                     if r.peer in (None, address)}
+            rooms.update({room: ph for room, (peer, ph, _) in self._tombstones.items()
+                          if peer in (None, address)})
+            rooms.update(extra)
+            self.manager.heartbeat(address, rooms)
+
+    def _tombstone(self, r: Room, phase: str) -> None:
+        """A finished room stays in heartbeats a while so the peer learns its outcome even
+        when the Notice or Ack was lost."""
+        linger = self.cfg.heartbeat_interval * (self.cfg.heartbeat_misses + 1)
+        self._tombstones[r.room] = (r.peer, phase, self.clock.now() + linger)
+
+    def _expire_tombstones(self) -> None:
+        now = self.clock.now()
+        for room in [k for k, (_, _, t) in self._tombstones.items() if t <= now]:
+            del self._tombstones[room]
+
+    # ---- views ------------------------------------------------------------------------------
+    def live(self) -> list[dict]:
+        """Rows for GET /debug/requests."""
+        return [self.lc.row(r, self._backend_status(r)) for r in self.lc.rooms.values()]
+
+    def phase_counts(self) -> dict[str, int]:
+        return self.lc.phase_counts()
+
+    def oldest_age(self) -> float:
+        return self.lc.oldest_age()
+
+    @property
+    def events(self):
+        return self.lc.events
+
+    def idle(self) -> bool:
+        return not self.lc.rooms

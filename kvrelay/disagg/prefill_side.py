@@ -1,0 +1,127 @@
+"""The prefill worker's request lifecycle: bootstrap -> queued -> prefill -> transfer -> done.
+
+The prefill worker's scheduler loop drives it: `add()` per request, `step()` once per
+iteration, `take_queued()` to pick work, `prefill_done()` when the KV is computed.
+
+Invariants:
+- `release_pages(room)` is called exactly once per room, when the room ends, in whatever
+  phase (after an ack, or on any failure). The engine must stop using the room's pages then;
+  its terminal event says why. `prefill_done` on a room that already ended does nothing.
+- A room leaves `transfer` only on D's ack (or D's heartbeat showing it decoding, when the
+  ack was lost) or on a terminal failure; the sender is aborted on every failure.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+from kvrelay.core.clock import Clock
+from kvrelay.core.config import LifecycleConfig
+from kvrelay.disagg import wire
+from kvrelay.disagg.lease import Coordinator
+from kvrelay.disagg.lifecycle import (P_TRANSITIONS, Lifecycle, PPhase, Reason, Room, TerminalEvent,
+                                      p_deadlines, phase_name)
+from kvrelay.disagg.transfer.base import KVSender, TransferManager, TransferStatus
+
+S = TransferStatus
+
+
+class PrefillSide(Coordinator):
+    side = "prefill"
+
+    def __init__(self, cfg: LifecycleConfig, manager: TransferManager, clock: Clock,
+                 release_pages: Callable[[int], None],
+                 on_terminal: Callable[[TerminalEvent], None] | None = None) -> None:
+        lc = Lifecycle(self.side, PPhase, P_TRANSITIONS, p_deadlines(cfg), clock, on_terminal)
+        super().__init__(cfg, manager, clock, lc)
+        self.release_pages = release_pages
+        self._senders: dict[int, KVSender] = {}
+        self._queue: deque[int] = deque()  # rooms in QUEUED, in arrival order
+
+    # ---- the worker's calls -------------------------------------------------------------
+    def add(self, room: int, rid: str) -> None:
+        """Admit a request: it waits in bootstrap for D's destination."""
+        self.lc.add(room, rid)
+        self._senders[room] = self.manager.sender(room)
+
+    def take_queued(self, max_n: int) -> list[int]:
+        """Hand up to max_n queued rooms to the engine (they enter prefill), oldest first."""
+        out: list[int] = []
+        while self._queue and len(out) < max_n:
+            room = self._queue.popleft()
+            r = self.lc.rooms.get(room)
+            if r is not None and r.phase is PPhase.QUEUED:
+                self.lc.move(room, PPhase.PREFILL)
+                out.append(room)
+        return out
+
+    def prefill_done(self, room: int, src_pages: list[int], aux: wire.Aux) -> bool:
+        """The KV of `room` is in `src_pages`: start the transfer. False if the room already
+        ended (its pages were released then)."""
+        r = self.lc.rooms.get(room)
+        if r is None or r.phase is not PPhase.PREFILL:
+            return False
+        self.lc.move(room, PPhase.TRANSFER)
+        self._senders[room].send(list(src_pages), aux)
+        return True
+
+    def abort(self, room: int, reason: str = Reason.ABORTED.value, detail: str = "") -> bool:
+        """End the room now, in any phase; D is told. False if it is not live."""
+        r = self.lc.rooms.get(room)
+        if r is None:
+            return False
+        self._fail(r, reason, detail)
+        return True
+
+    # ---- reactions --------------------------------------------------------------------------
+    def _poll_rooms(self) -> None:
+        for r in list(self.lc.rooms.values()):
+            snd = self._senders[r.room]
+            st = snd.poll()
+            if st is S.FAILED:
+                self._fail(r, snd.failure_reason or Reason.TRANSFER_ERROR.value, snd.failure_detail)
+            elif r.phase is PPhase.BOOTSTRAP and st is S.WAITING:
+                self._paired(r, snd)
+            elif r.phase is PPhase.TRANSFER and st is S.SUCCESS:
+                self._done(r)
+
+    def _paired(self, r: Room, snd: KVSender) -> None:
+        dest = snd.dest
+        assert dest is not None
+        r.peer, r.peer_incarnation, r.peer_known_seq = snd.peer_address, dest.incarnation, dest.hb_seq
+        self.leases.expect(r.peer)  # type: ignore[arg-type]
+        self.lc.move(r.room, PPhase.QUEUED)
+        self._queue.append(r.room)
+
+    def _done(self, r: Room) -> None:
+        self.lc.end(r.room, PPhase.DONE)
+        self._release(r, "done")
+
+    def _fail(self, r: Room, reason: str, detail: str) -> None:
+        self._senders[r.room].abort(reason, detail)
+        terminal = PPhase.ABORTED if reason == Reason.ABORTED.value else PPhase.FAILED
+        self.lc.end(r.room, terminal, reason, detail)
+        self._release(r, phase_name(terminal))
+
+    def _release(self, r: Room, phase: str) -> None:
+        self._senders.pop(r.room).close()
+        self.release_pages(r.room)
+        self._tombstone(r, phase)
+
+    def _depends_on_peer(self, r: Room) -> bool:
+        return r.peer is not None
+
+    def _on_peer_phase(self, r: Room, phase: str) -> None:
+        if phase in ("failed", "aborted", wire.QUARANTINE_PHASE):
+            reason = Reason.ABORTED.value if phase == "aborted" else Reason.PEER_FAILED.value
+            self._fail(r, reason, f"decode side is {phase}")
+        elif phase in ("decode", "done"):
+            if r.phase is PPhase.TRANSFER:
+                self._done(r)  # D decodes only after aux, which is sent last: the ack was lost
+            elif r.phase is not PPhase.TRANSFER:
+                self._fail(r, Reason.PEER_FAILED.value, f"decode side is {phase} before the transfer")
+        elif phase == "waiting" and r.phase is PPhase.TRANSFER:
+            self._senders[r.room].resend()  # the aux may have been lost
+
+    def _backend_status(self, r: Room) -> str:
+        return self._senders[r.room].poll().name.lower()

@@ -1,0 +1,226 @@
+"""The transfer plug-in point: a per-worker manager, a per-room sender (P) and receiver (D).
+
+This layer moves page buffers only (no torch). Pages follow `core.kvlayout`: page p is bytes
+[p * page_bytes, (p + 1) * page_bytes) of the pool buffer.
+
+Contract shared by every backend (the lifecycle relies on each point):
+- `poll()` never blocks and never does I/O; `TransferManager.progress()` is the only pump,
+  called once per scheduler iteration.
+- After `abort()`, `poll()` returns FAILED, always, on every backend.
+- A FAILED sender or receiver has a `failure_reason` (a lifecycle reason code) and a
+  `failure_detail`.
+- Aux travels last: a receiver reaches SUCCESS only when aux has arrived and, on a
+  two-sided backend, every destination page has landed. The receiver then acknowledges;
+  the sender reaches SUCCESS only on that ack.
+- A sender's source pages stay pinned until SUCCESS or a terminal failure; the caller
+  releases them then, never earlier.
+- No late write: a two-sided receiver accepts bytes only for pages whose current owner is
+  exactly (room, epoch); a one-sided receiver's pages stay quarantined after a failure
+  (`may_still_write()`) until P confirms Stopped (or the lifecycle declares P dead or the
+  quarantine deadline passes).
+"""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvrelay.core.kvlayout import KVLayout
+from kvrelay.disagg import wire
+
+
+class TransferStatus(enum.IntEnum):
+    """Ordered: terminal states last."""
+    BOOTSTRAPPING = 0  # P: no destination yet.  D: peer's endpoint not learned yet
+    WAITING = 1        # P: destination known, send() not called.  D: ready for send_metadata()
+    TRANSFERRING = 2   # P: writing / waiting for ack.  D: metadata sent, waiting for KV + aux
+    SUCCESS = 3
+    FAILED = 4
+
+    @property
+    def terminal(self) -> bool:
+        return self >= TransferStatus.SUCCESS
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """A bootstrapped peer: what its BootstrapQuery/BootstrapInfo said."""
+    address: str       # its control-channel address
+    worker_id: str
+    incarnation: str
+    layout: KVLayout
+    backend: str
+    endpoint: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+class WriteState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"  # stopped: no byte of this job will land anymore
+
+
+@dataclass(eq=False)
+class WriteJob:
+    """One room's KV write, P side. `runs` are (src offset, dst offset, length) byte runs
+    from `kvlayout.paired_runs`. A backend drives `state` from PENDING to DONE or FAILED;
+    `handle` is the backend's own bookkeeping."""
+    room: int
+    epoch: int
+    peer: PeerInfo
+    src_pages: tuple[int, ...]
+    dst_pages: tuple[int, ...]
+    runs: list[tuple[int, int, int]]
+    state: WriteState = WriteState.PENDING
+    detail: str = ""
+    handle: Any = None
+
+    def finish(self) -> None:
+        if self.state is WriteState.PENDING:
+            self.state = WriteState.DONE
+
+    def fail(self, detail: str) -> None:
+        if self.state is WriteState.PENDING:
+            self.state, self.detail = WriteState.FAILED, detail
+
+
+class KVSender(ABC):
+    """P side, one per room. BOOTSTRAPPING until D's Destination arrives (the manager calls
+    `init`), WAITING until `send`, TRANSFERRING until D's ack (SUCCESS) or a failure."""
+    room: int
+
+    @abstractmethod
+    def init(self, destination: wire.Destination, src: str) -> None:
+        """Called by the manager when D's Destination for this room arrives from `src`.
+        Duplicates of the same (room, epoch) are ignored."""
+
+    @abstractmethod
+    def send(self, src_pages: list[int], aux: wire.Aux) -> None:
+        """Start writing `src_pages` of the local pool into the destination pages, then send
+        `aux` (its room/epoch are filled in here) once every byte has landed. Valid in
+        WAITING; a no-op once FAILED. A page-count mismatch fails with invalid_request."""
+
+    @abstractmethod
+    def poll(self) -> TransferStatus:
+        """Never blocks. FAILED after abort(), always."""
+
+    @abstractmethod
+    def abort(self, reason: str, detail: str = "") -> None:
+        """Fail now with `reason`, tell D (Notice), stop writing. Idempotent."""
+
+    @abstractmethod
+    def resend(self) -> None:
+        """Re-send the last control message this sender owes D (Aux); idempotent for D."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """The lifecycle is done with this room (source pages released by the caller).
+        A failed sender with a write still in flight keeps cancelling it inside the manager
+        and sends Stopped once no byte can land anymore."""
+
+    failure_reason: str | None
+    failure_detail: str
+    peer_address: str | None   # D's control address once the destination is known
+    epoch: int | None
+    dest: wire.Destination | None  # D's destination once init() ran
+
+
+class KVReceiver(ABC):
+    """D side, one per room. `init` starts the rendezvous; WAITING once P's endpoint is known
+    and layouts match; `send_metadata` -> TRANSFERRING; SUCCESS when KV + aux are in."""
+    room: int
+
+    @abstractmethod
+    def init(self, prefill_address: str) -> None:
+        """Learn P's endpoint (BootstrapQuery, resent until answered) and check that the
+        layouts match; a mismatch fails with invalid_request naming the fields."""
+
+    @abstractmethod
+    def send_metadata(self, page_ids: list[int], epoch: int) -> None:
+        """Tell P where to write: these pages, tagged `epoch`. Valid in WAITING."""
+
+    @abstractmethod
+    def poll(self) -> TransferStatus:
+        """Never blocks. FAILED after abort(), always."""
+
+    @abstractmethod
+    def aux(self) -> wire.Aux | None:
+        """The aux data once SUCCESS, else None."""
+
+    @abstractmethod
+    def abort(self, reason: str, detail: str = "") -> None:
+        """Fail now with `reason` and tell P (Notice). Idempotent."""
+
+    @abstractmethod
+    def resend(self) -> None:
+        """Re-send the Destination (after send_metadata); idempotent for P."""
+
+    @abstractmethod
+    def may_still_write(self) -> bool:
+        """True while P might still write into this room's pages: one-sided backend, the
+        room failed after send_metadata, and P has not confirmed Stopped."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """The lifecycle is done with this room and is about to release its pages: every
+        later byte for (room, epoch) is dropped."""
+
+    failure_reason: str | None
+    failure_detail: str
+    peer_address: str | None   # P's control address
+
+
+class TransferManager(ABC):
+    """One per worker. Owns the control channel, the peer table and every sender/receiver.
+
+    `name` is the registry name; `one_sided` says whether P writes straight into D's pool
+    (then D must quarantine pages of a failed room). `address` is this worker's control
+    address (what the router hands out as P's bootstrap address)."""
+    name: str
+    one_sided: bool
+    address: str
+    worker_id: str
+    incarnation: str
+    layout: KVLayout
+
+    @abstractmethod
+    def allocate_pool(self, num_pages: int) -> memoryview:
+        """The KV pool buffer (num_pages * page_bytes bytes, writable), allocated once."""
+
+    @abstractmethod
+    def endpoint(self) -> dict:
+        """What the bootstrap publishes about this worker's data path (JSON-able)."""
+
+    @abstractmethod
+    def connect(self, peer: PeerInfo) -> None:
+        """Prepare the data path to a bootstrapped peer (open its segment, add its agent)."""
+
+    @abstractmethod
+    def progress(self) -> None:
+        """Non-blocking pump: drain the channel, dispatch messages, advance writes."""
+
+    @abstractmethod
+    def sender(self, room: int) -> KVSender: ...
+
+    @abstractmethod
+    def receiver(self, room: int) -> KVReceiver: ...
+
+    @abstractmethod
+    def heartbeat(self, dst: str, rooms: dict[int, str]) -> None:
+        """Send a Heartbeat listing `rooms` ({room: phase}) to `dst`."""
+
+    @abstractmethod
+    def take_heartbeats(self) -> list[tuple[str, wire.Heartbeat]]:
+        """Heartbeats received since the last call, as (src address, heartbeat)."""
+
+    @abstractmethod
+    def peers(self) -> dict[str, PeerInfo]:
+        """Bootstrapped peers by control address."""
+
+    @abstractmethod
+    def forget_peer(self, address: str) -> None:
+        """Drop a dead peer: its PeerInfo and per-peer sockets (a restart re-bootstraps)."""
+
+    @abstractmethod
+    def close(self) -> None: ...

@@ -1,0 +1,530 @@
+"""The shared implementation of the transfer contract over the control channel.
+
+`CommonManager` does everything but move bytes: bootstrap, dispatch of messages to senders
+and receivers, acks, notices, Stopped, heartbeat plumbing, abort semantics. A backend
+subclasses it and implements only the data hooks (all optional except where noted):
+
+  P side (every backend)
+    write_start(job)     begin writing job.runs from self.pool into the peer's pool. Never
+                         block: finish synchronously with job.finish()/job.fail(detail), or
+                         leave it PENDING and finish it from write_progress.
+    write_progress(job)  called every progress() while job is PENDING.
+    write_cancel(job)    the room failed: stop the job. Return True once no byte of it can
+                         land anymore (one-sided backends must not lie: a write that may
+                         still land returns False; it is asked again every progress()).
+                         Stopped is sent to D only after True.
+  D side (two-sided backends)
+    on_data(received)    a message kind the core does not know (the backend's KV frames).
+                         Copy bytes into self.pool ONLY IF self.owner_ok(room, epoch,
+                         dst_pages), then call self.mark_landed(room, epoch, dst_pages).
+  both sides
+    allocate_pool(n)     default: a private bytearray; shm/nixl override (shared / registered).
+    endpoint()           default {}; what BootstrapQuery/Info publish about the data path.
+    connect(peer)        default no-op; called once per bootstrapped peer incarnation.
+    disconnect(peer)     default no-op; peer forgotten or restarted.
+    close_backend()      default no-op.
+Faults: `self.faults.transfer_fault()` is consulted here before write_start ("hang" never
+starts the job and never confirms a stop; "fail" fails it), so backends get it for free.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import replace
+
+from kvrelay.core.clock import Clock, MonotonicClock
+from kvrelay.core.config import LifecycleConfig, TransferConfig
+from kvrelay.core.kvlayout import KVLayout, paired_runs
+from kvrelay.disagg import wire
+from kvrelay.disagg.channel import Channel, Received, ZmqChannel
+from kvrelay.disagg.faults import Faults, FaultSpec, FaultyChannel
+from kvrelay.disagg.transfer.base import (KVReceiver, KVSender, PeerInfo, TransferManager,
+                                          TransferStatus, WriteJob, WriteState)
+
+S = TransferStatus
+
+
+class _Endpoint:
+    """Fail/abort bookkeeping shared by sender and receiver."""
+    status: TransferStatus
+    failure_reason: str | None = None
+    failure_detail: str = ""
+
+    def poll(self) -> TransferStatus:
+        return self.status
+
+    def _set_failed(self, reason: str, detail: str) -> bool:
+        """-> True if this call moved the endpoint to FAILED."""
+        if self.status is S.FAILED:
+            return False
+        self.status, self.failure_reason, self.failure_detail = S.FAILED, reason, detail
+        return True
+
+
+def _notice_kind(reason: str) -> str:
+    return "aborted" if reason == "aborted" else "failed"
+
+
+def _peer_reason(notice: wire.Notice) -> str:
+    return "aborted" if notice.kind == "aborted" else "peer_failed"
+
+
+class CommonSender(_Endpoint, KVSender):
+    def __init__(self, manager: "CommonManager", room: int) -> None:
+        self.m, self.room = manager, room
+        self.status = S.BOOTSTRAPPING
+        self.dest: wire.Destination | None = None
+        self.peer_address: str | None = None
+        self.epoch: int | None = None
+        self.job: WriteJob | None = None
+        self.pending_aux: wire.Aux | None = None
+        self.aux_sent = False
+        self.stopped_sent = False
+
+    def init(self, destination: wire.Destination, src: str) -> None:
+        if self.dest is not None:
+            return  # duplicate or late: the first destination stands
+        if self.status is S.FAILED:  # failed before D spoke: tell it now; nothing was written
+            reason = self.failure_reason or ""
+            self.m.channel.send(src, wire.Notice(self.room, destination.epoch, _notice_kind(reason), reason))
+            self.m.channel.send(src, wire.Stopped(self.room, destination.epoch))
+            return
+        self.dest, self.peer_address, self.epoch = destination, src, destination.epoch
+        self.status = S.WAITING
+
+    def send(self, src_pages: list[int], aux: wire.Aux) -> None:
+        if self.status is not S.WAITING:
+            if self.status is S.FAILED:
+                return
+            raise RuntimeError(f"send() on room {self.room} in {self.status.name}")
+        dest = self.dest
+        assert dest is not None and self.peer_address is not None
+        if len(src_pages) != len(dest.dst_pages):
+            self._fail("invalid_request",
+                       f"{len(src_pages)} KV pages for {len(dest.dst_pages)} destination pages")
+            return
+        peer = self.m.peers().get(self.peer_address)
+        if peer is None:
+            self._fail("peer_failed", "decode worker not bootstrapped (or forgotten)")
+            return
+        self.pending_aux = replace(aux, room=self.room, epoch=dest.epoch)
+        runs = paired_runs(src_pages, dest.dst_pages, self.m.layout.page_bytes)
+        self.job = WriteJob(self.room, dest.epoch, peer, tuple(src_pages), dest.dst_pages, runs)
+        self.status = S.TRANSFERRING
+        self.m.start_job(self.job)
+        self.pump()
+
+    def pump(self) -> None:
+        """Advance the write; send aux once it is done; send Stopped once a failed write
+        has quiesced."""
+        job = self.job
+        if self.status is S.FAILED:
+            if job is not None and job.state is WriteState.PENDING and self.m.cancel_job(job):
+                job.state = WriteState.CANCELLED
+            if not self.stopped_sent and (job is None or job.state is not WriteState.PENDING):
+                self._send_stopped()
+            return
+        if job is None or self.status is not S.TRANSFERRING:
+            return
+        if job.state is WriteState.PENDING:
+            self.m.write_progress(job)
+        if job.state is WriteState.FAILED:
+            self._fail("transfer_error", job.detail or "write failed")
+        elif job.state is WriteState.DONE and not self.aux_sent:
+            self.aux_sent = True
+            self.resend()
+
+    def _send_stopped(self) -> None:
+        self.stopped_sent = True
+        if self.dest is not None and self.peer_address is not None:
+            self.m.channel.send(self.peer_address, wire.Stopped(self.room, self.dest.epoch))
+
+    def on_ack(self, ack: wire.Ack) -> None:
+        if self.status is S.TRANSFERRING and self.aux_sent and ack.epoch == self.epoch:
+            self.status = S.SUCCESS
+
+    def on_notice(self, notice: wire.Notice) -> None:
+        if self.epoch is None or notice.epoch in (self.epoch, 0):
+            self._fail(_peer_reason(notice), f"decode: {notice.reason}", notify=False)
+
+    def abort(self, reason: str, detail: str = "") -> None:
+        if self.status is S.SUCCESS:  # D has everything: nothing to tell it
+            self.status, self.failure_reason, self.failure_detail = S.FAILED, reason, detail
+            self.stopped_sent = True
+            return
+        self._fail(reason, detail)
+
+    def _fail(self, reason: str, detail: str, notify: bool = True) -> None:
+        if not self._set_failed(reason, detail):
+            return
+        if notify and self.dest is not None and self.peer_address is not None:
+            self.m.channel.send(self.peer_address, wire.Notice(self.room, self.dest.epoch,
+                                                               _notice_kind(reason), reason))
+        self.pump()
+
+    def resend(self) -> None:
+        if self.aux_sent and self.status is S.TRANSFERRING and self.pending_aux and self.peer_address:
+            self.m.channel.send(self.peer_address, self.pending_aux)
+
+    def close(self) -> None:
+        self.m.close_sender(self)
+
+
+class CommonReceiver(_Endpoint, KVReceiver):
+    def __init__(self, manager: "CommonManager", room: int) -> None:
+        self.m, self.room = manager, room
+        self.status = S.BOOTSTRAPPING
+        self.peer_address: str | None = None
+        self.pages: tuple[int, ...] = ()
+        self.epoch: int | None = None
+        self.landed: set[int] = set()
+        self._aux: wire.Aux | None = None
+        self.stopped = False
+        self.dest: wire.Destination | None = None
+
+    def init(self, prefill_address: str) -> None:
+        self.peer_address = prefill_address
+        self.m.bootstrap(self)
+
+    def on_peer(self, peer: PeerInfo) -> None:
+        """P's BootstrapInfo arrived (or was already known)."""
+        if self.status is not S.BOOTSTRAPPING:
+            return
+        bad = self.m.layout.mismatches(peer.layout)
+        if bad:
+            self._fail("invalid_request", "KV layout mismatch: " + ", ".join(bad))
+        else:
+            self.status = S.WAITING
+
+    def send_metadata(self, page_ids: list[int], epoch: int) -> None:
+        if self.status is not S.WAITING:
+            if self.status is S.FAILED:
+                return
+            raise RuntimeError(f"send_metadata() on room {self.room} in {self.status.name}")
+        self.pages, self.epoch = tuple(page_ids), epoch
+        self.m.own_pages(self)
+        self.dest = wire.Destination(self.room, epoch, self.pages, self.m.worker_id,
+                                     self.m.incarnation, self.m.hb_seq)
+        self.status = S.TRANSFERRING
+        self.resend()
+
+    def resend(self) -> None:
+        if self.dest is not None and self.status is S.TRANSFERRING and self.peer_address:
+            self.m.channel.send(self.peer_address, self.dest)
+
+    def on_aux(self, aux: wire.Aux) -> None:
+        if aux.epoch != self.epoch:
+            return
+        if self.status is S.SUCCESS:
+            self.m.channel.send(self.peer_address, wire.Ack(self.room, aux.epoch))  # P lost the ack
+        elif self.status is S.TRANSFERRING:
+            self._aux = aux
+            self._maybe_done()
+
+    def _maybe_done(self) -> None:
+        complete = self.m.one_sided or len(self.landed) == len(self.pages)
+        if self.status is S.TRANSFERRING and self._aux is not None and complete:
+            self.status = S.SUCCESS
+            self.m.channel.send(self.peer_address, wire.Ack(self.room, self._aux.epoch))
+
+    def on_notice(self, notice: wire.Notice) -> None:
+        if self.epoch is None or notice.epoch in (self.epoch, 0):
+            self._fail(_peer_reason(notice), f"prefill: {notice.reason}", notify=False)
+
+    def on_stopped(self, msg: wire.Stopped) -> None:
+        if msg.epoch == self.epoch:
+            self.stopped = True
+
+    def aux(self) -> wire.Aux | None:
+        return self._aux if self.status is S.SUCCESS else None
+
+    def abort(self, reason: str, detail: str = "") -> None:
+        self._fail(reason, detail)
+
+    def _fail(self, reason: str, detail: str, notify: bool = True) -> None:
+        if self._set_failed(reason, detail) and notify and self.peer_address:
+            self.m.channel.send(self.peer_address, wire.Notice(self.room, self.epoch or 0,
+                                                               _notice_kind(reason), reason))
+
+    def may_still_write(self) -> bool:
+        return (self.m.one_sided and self.status is S.FAILED and self.dest is not None
+                and not self.stopped)
+
+    def close(self) -> None:
+        self.m.close_receiver(self)
+
+
+class CommonManager(TransferManager):
+    name = "common"
+    one_sided = False
+
+    def __init__(self, layout: KVLayout, transfer: TransferConfig | None = None, *,
+                 lifecycle: LifecycleConfig | None = None, clock: Clock | None = None,
+                 channel: Channel | None = None, worker_id: str | None = None) -> None:
+        self.layout = layout
+        self.transfer = transfer or TransferConfig(transfer_backend=self.name)
+        self.lifecycle = lifecycle or LifecycleConfig()
+        self.clock = clock or MonotonicClock()
+        self.incarnation = uuid.uuid4().hex[:16]
+        self.worker_id = worker_id or f"{self.name}-{self.incarnation[:8]}"
+        self.faults = Faults(FaultSpec.from_config(self.transfer.fault_spec))
+        if channel is None:
+            channel = ZmqChannel(self.transfer.transfer_host, self.transfer.transfer_port)
+        self.channel: Channel = FaultyChannel(channel, self.faults, self.clock)
+        self.address = channel.address
+        self.pool: memoryview | None = None
+        self.hb_seq = 0
+        self._peers: dict[str, PeerInfo] = {}
+        self._asked: dict[str, float] = {}              # P address -> last BootstrapQuery time
+        self._senders: dict[int, CommonSender] = {}
+        self._receivers: dict[int, CommonReceiver] = {}
+        self._draining: list[CommonSender] = []          # failed senders still cancelling a write
+        self._early: dict[int, tuple[float, list[Received]]] = {}  # room -> (expiry, messages)
+        self._closed: dict[int, tuple[float, CommonSender]] = {}   # P tombstones: room -> (expiry, sender)
+        self._owner: dict[int, tuple[int, int]] = {}     # D page -> (room, epoch) of its receiver
+        self._heartbeats: list[tuple[str, wire.Heartbeat]] = []
+
+    # ---- backend hooks (see module docstring) ----------------------------------------
+    def allocate_pool(self, num_pages: int) -> memoryview:
+        if self.pool is not None:
+            raise RuntimeError("the KV pool is allocated once per worker")
+        self.pool = memoryview(bytearray(num_pages * self.layout.page_bytes))
+        return self.pool
+
+    def endpoint(self) -> dict:
+        return {}
+
+    def connect(self, peer: PeerInfo) -> None:
+        pass
+
+    def disconnect(self, peer: PeerInfo) -> None:
+        pass
+
+    def write_start(self, job: WriteJob) -> None:
+        raise NotImplementedError(f"{type(self).__name__} moves no data")
+
+    def write_progress(self, job: WriteJob) -> None:
+        pass
+
+    def write_cancel(self, job: WriteJob) -> bool:
+        return True
+
+    def on_data(self, received: Received) -> None:
+        pass
+
+    def close_backend(self) -> None:
+        pass
+
+    # ---- helpers for backends ----------------------------------------------------------
+    def owner_ok(self, room: int, epoch: int, dst_pages) -> bool:
+        """Two-sided gate: may bytes for (room, epoch) land in these pages right now?"""
+        rcv = self._receivers.get(room)
+        if rcv is None or rcv.status is not S.TRANSFERRING or rcv.epoch != epoch:
+            return False
+        return all(self._owner.get(p) == (room, epoch) for p in dst_pages)
+
+    def mark_landed(self, room: int, epoch: int, dst_pages) -> None:
+        rcv = self._receivers.get(room)
+        if rcv is not None and rcv.epoch == epoch:
+            rcv.landed.update(p for p in dst_pages if p in rcv.pages)
+            rcv._maybe_done()
+
+    # ---- jobs (fault hook in front of the backend) --------------------------------------
+    def start_job(self, job: WriteJob) -> None:
+        fault = self.faults.transfer_fault()
+        job.handle = ("fault", fault) if fault else None
+        if fault == "fail":
+            job.fail("injected transfer failure")
+        elif fault is None:
+            self.write_start(job)
+
+    def cancel_job(self, job: WriteJob) -> bool:
+        if job.handle == ("fault", "hang"):
+            return False  # a hung write can never confirm that it stopped
+        return self.write_cancel(job)
+
+    # ---- TransferManager -----------------------------------------------------------------
+    def sender(self, room: int) -> CommonSender:
+        if room in self._senders:
+            raise ValueError(f"room {room} already has a sender")
+        snd = self._senders[room] = CommonSender(self, room)
+        self._closed.pop(room, None)
+        for rcv in self._early.pop(room, (0.0, []))[1]:
+            self._dispatch(rcv)
+        return snd
+
+    def receiver(self, room: int) -> CommonReceiver:
+        if room in self._receivers:
+            raise ValueError(f"room {room} already has a receiver")
+        rcv = self._receivers[room] = CommonReceiver(self, room)
+        return rcv
+
+    def peers(self) -> dict[str, PeerInfo]:
+        return dict(self._peers)
+
+    def heartbeat(self, dst: str, rooms: dict[int, str]) -> None:
+        self.hb_seq += 1
+        self.channel.send(dst, wire.Heartbeat(self.worker_id, self.incarnation, self.hb_seq, rooms))
+
+    def take_heartbeats(self) -> list[tuple[str, wire.Heartbeat]]:
+        out, self._heartbeats = self._heartbeats, []
+        return out
+
+    def forget_peer(self, address: str) -> None:
+        peer = self._peers.pop(address, None)
+        self._asked.pop(address, None)
+        if peer is not None:
+            self.disconnect(peer)
+        self.channel.forget(address)
+
+    def progress(self) -> None:
+        for rcv in self.channel.recv():
+            self._dispatch(rcv)
+        for snd in list(self._senders.values()):
+            snd.pump()
+        self._pump_draining()
+        self._reask()
+        self._expire()
+
+    def close(self) -> None:
+        self._senders.clear()
+        self._receivers.clear()
+        self._draining.clear()
+        self.close_backend()
+        self.channel.close()
+
+    # ---- bootstrap ------------------------------------------------------------------------
+    def _identity(self, cls):
+        return cls(self.worker_id, self.incarnation, self.layout.to_dict(), self.name, self.endpoint())
+
+    def bootstrap(self, rcv: CommonReceiver) -> None:
+        peer = self._peers.get(rcv.peer_address or "")
+        if peer is not None:
+            rcv.on_peer(peer)
+        elif rcv.peer_address not in self._asked:
+            self._ask(rcv.peer_address)
+
+    def _ask(self, address: str) -> None:
+        self._asked[address] = self.clock.now()
+        self.channel.send(address, self._identity(wire.BootstrapQuery))
+
+    def _reask(self) -> None:
+        """Resend BootstrapQuery once per heartbeat interval while a receiver waits."""
+        now = self.clock.now()
+        waiting = {r.peer_address for r in self._receivers.values() if r.status is S.BOOTSTRAPPING}
+        for address in waiting:
+            if address and address not in self._peers and \
+                    now - self._asked.get(address, -1e18) >= self.lifecycle.heartbeat_interval:
+                self._ask(address)
+
+    def _learn(self, src: str, ident: wire.BootstrapQuery | wire.BootstrapInfo) -> PeerInfo:
+        old = self._peers.get(src)
+        if old is not None and old.incarnation == ident.incarnation:
+            return old
+        if old is not None:
+            self.disconnect(old)
+        peer = PeerInfo(src, ident.worker_id, ident.incarnation, ident.kv_layout,
+                        ident.backend, ident.endpoint)
+        self._peers[src] = peer
+        if not self.layout.mismatches(peer.layout):
+            self.connect(peer)
+        return peer
+
+    # ---- dispatch -------------------------------------------------------------------------
+    def _dispatch(self, r: Received) -> None:
+        msg = r.msg
+        if isinstance(msg, wire.BootstrapQuery):
+            self._learn(r.src, msg)
+            self.channel.send(r.src, self._identity(wire.BootstrapInfo))
+        elif isinstance(msg, wire.BootstrapInfo):
+            peer = self._learn(r.src, msg)
+            self._asked.pop(r.src, None)
+            for rcv in list(self._receivers.values()):
+                if rcv.peer_address == r.src:
+                    rcv.on_peer(peer)
+        elif isinstance(msg, wire.Heartbeat):
+            self._on_heartbeat(r.src, msg)
+        elif isinstance(msg, (wire.Destination, wire.Ack, wire.Notice, wire.Aux, wire.Stopped)):
+            self._dispatch_room(r)
+        else:
+            self.on_data(r)
+
+    def _dispatch_room(self, r: Received) -> None:
+        msg = r.msg
+        room = msg.room  # type: ignore[attr-defined]
+        snd, rcv = self._senders.get(room), self._receivers.get(room)
+        if isinstance(msg, wire.Destination):
+            if snd is not None:
+                snd.init(msg, r.src)
+            elif room in self._closed:
+                self._closed[room][1].init(msg, r.src)  # a failed tombstone answers with a Notice
+            else:
+                self._buffer_early(room, r)
+        elif isinstance(msg, wire.Ack) and snd is not None:
+            snd.on_ack(msg)
+        elif isinstance(msg, wire.Notice):
+            if snd is not None:
+                snd.on_notice(msg)
+            if rcv is not None:
+                rcv.on_notice(msg)
+            if snd is None and rcv is None and room not in self._closed:
+                self._buffer_early(room, r)
+        elif isinstance(msg, wire.Aux) and rcv is not None:
+            rcv.on_aux(msg)
+        elif isinstance(msg, wire.Stopped) and rcv is not None:
+            rcv.on_stopped(msg)
+
+    def _buffer_early(self, room: int, r: Received) -> None:
+        """A message for a room this worker has not been given yet (the router sends to P
+        and D at once). Kept for the bootstrap timeout, then dropped."""
+        expiry, msgs = self._early.get(room, (self.clock.now() + self.lifecycle.bootstrap_timeout, []))
+        if len(msgs) < 16:
+            msgs.append(r)
+        self._early[room] = (expiry, msgs)
+
+    def _on_heartbeat(self, src: str, hb: wire.Heartbeat) -> None:
+        self._heartbeats.append((src, hb))
+        for room, phase in hb.rooms.items():
+            if phase == wire.QUARANTINE_PHASE and room in self._closed:
+                snd = self._closed[room][1]
+                if snd.stopped_sent:
+                    snd._send_stopped()  # the first Stopped may have been lost
+
+    # ---- room ownership and teardown ---------------------------------------------------------
+    def own_pages(self, rcv: CommonReceiver) -> None:
+        for p in rcv.pages:
+            self._owner[p] = (rcv.room, rcv.epoch)  # type: ignore[assignment]
+
+    def close_receiver(self, rcv: CommonReceiver) -> None:
+        if self._receivers.get(rcv.room) is not rcv:
+            return
+        del self._receivers[rcv.room]
+        for p in rcv.pages:
+            if self._owner.get(p) == (rcv.room, rcv.epoch):
+                del self._owner[p]
+
+    def close_sender(self, snd: CommonSender) -> None:
+        if self._senders.get(snd.room) is not snd:
+            return
+        del self._senders[snd.room]
+        if snd.status is S.FAILED and not snd.stopped_sent:
+            self._draining.append(snd)
+        ttl = self.lifecycle.bootstrap_timeout + self.lifecycle.transfer_timeout + self.lifecycle.quarantine_grace
+        self._closed[snd.room] = (self.clock.now() + ttl, snd)
+
+    def _pump_draining(self) -> None:
+        for snd in self._draining:
+            snd.pump()
+        self._draining = [s for s in self._draining if not s.stopped_sent]
+
+    def _expire(self) -> None:
+        now = self.clock.now()
+        for room in [r for r, (t, _) in self._early.items() if t <= now]:
+            del self._early[room]
+        for room in [r for r, (t, _) in self._closed.items() if t <= now]:
+            del self._closed[room]
+
+    # ---- introspection (debug rows, tests) ---------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        return {"senders": len(self._senders), "receivers": len(self._receivers),
+                "draining": len(self._draining), "owned_pages": len(self._owner),
+                "early": len(self._early)}

@@ -1,0 +1,191 @@
+"""The engine loop: schedule() -> run() -> postprocess(). Single-threaded; the async
+wrapper in engine.engine runs it on its own thread.
+
+Every request leaves through `Scheduler.finish`, which frees its pages; `check_idle`
+proves that nothing is left behind.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kvrelay.core.clock import Clock, MonotonicClock
+from kvrelay.core.config import KVCacheConfig, SchedulerConfig
+from kvrelay.core.kvlayout import KVLayout
+from kvrelay.engine.allocator import PageAllocator
+from kvrelay.engine.detokenizer import IncrementalDetokenizer
+from kvrelay.engine.kv_pool import KVPool
+from kvrelay.engine.request import Req, ReqStatus
+from kvrelay.engine.runner import ModelRunner, SeqChunk
+from kvrelay.engine.sampling import Sampler, SamplingState
+from kvrelay.engine.scheduler import PrefillItem, Scheduler, pages_for
+from kvrelay.engine.types import FinishReason, GenerateRequest, RequestRejected, StepOutput
+
+log = logging.getLogger("kvrelay.engine")
+Sink = Callable[[StepOutput], None]
+
+
+def kv_layout_for(loaded, page_size: int) -> KVLayout:
+    arch = loaded.arch
+    return KVLayout(model_id=loaded.name, dtype=loaded.dtype, page_size=page_size,
+                    num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim)
+
+
+def num_pages_for(cfg: KVCacheConfig, layout: KVLayout) -> int:
+    if cfg.max_kv_tokens is not None:
+        return max(1, pages_for(cfg.max_kv_tokens, cfg.page_size))
+    return max(1, int(cfg.kv_cache_gb * 2**30) // layout.page_bytes)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+class EngineCore:
+    def __init__(self, loaded, kv_cfg: KVCacheConfig, sched_cfg: SchedulerConfig,
+                 clock: Clock | None = None, kv_buffer: memoryview | None = None) -> None:
+        self.loaded = loaded
+        self.clock = clock or MonotonicClock()
+        self.layout = kv_layout_for(loaded, kv_cfg.page_size)
+        self.kv = KVPool(self.layout, num_pages_for(kv_cfg, self.layout), kv_buffer)
+        self.allocator = PageAllocator(self.kv.num_pages)
+        self.scheduler = Scheduler(sched_cfg, self.allocator, kv_cfg.page_size)
+        self.runner = ModelRunner(loaded.model, self.kv)
+        self.sampler = Sampler()
+        self.max_model_len = min(sched_cfg.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        self.eos_ids = frozenset(loaded.eos_token_ids)
+        self.stats = EngineStats()
+        self._sinks: dict[str, Sink] = {}
+        self._reqs: dict[str, Req] = {}
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.kv.num_pages * self.layout.page_size
+
+    # -- admission -----------------------------------------------------------------------
+    def validate(self, greq: GenerateRequest) -> None:
+        """Raise RequestRejected if the request can never be served. Reads only fixed state."""
+        n, params = len(greq.prompt_ids), greq.params
+        if n == 0:
+            raise RequestRejected("the prompt is empty", param="prompt")
+        vocab = self.loaded.arch.vocab_size
+        bad = next((t for t in greq.prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestRejected(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+        if n + params.max_tokens > self.max_model_len:
+            raise RequestRejected(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n} "
+                f"and max_tokens is {params.max_tokens}", param="max_tokens", code="context_length_exceeded")
+        if n + params.max_tokens > self.capacity_tokens:
+            raise RequestRejected(
+                f"prompt ({n}) + max_tokens ({params.max_tokens}) needs more KV than the whole pool holds "
+                f"({self.capacity_tokens} tokens); lower max_tokens or raise --max-kv-tokens", param="max_tokens")
+
+    def add(self, greq: GenerateRequest, sink: Sink, prefill_only: bool = False) -> None:
+        self.validate(greq)
+        if greq.rid in self._reqs:
+            raise RequestRejected(f"request id {greq.rid} is already live", param="rid")
+        req = Req(greq.rid, list(greq.prompt_ids), greq.params, arrival=self.clock.now(), prefill_only=prefill_only)
+        req.sampling = SamplingState(greq.params, req.prompt_ids)
+        req.detok = IncrementalDetokenizer(self.loaded.tokenizer, req.prompt_ids, greq.params.stop)
+        self._reqs[req.rid] = req
+        self._sinks[req.rid] = sink
+        self.scheduler.add(req)
+
+    def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> None:
+        req = self._reqs.get(rid)
+        if req is not None:
+            self._finish(req, reason, error)
+            self._emit(req, StepOutput(rid))
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.num_requests > 0
+
+    # -- the loop ------------------------------------------------------------------------
+    def step(self) -> None:
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return
+        self.stats.steps += 1
+        try:
+            if batch.prefill:
+                self._run_prefill(batch.prefill)
+            else:
+                self._run_decode(batch.decode)
+        except Exception as exc:  # a failed forward ends its batch, never the loop
+            log.exception("forward pass failed")
+            reqs = [i.req for i in batch.prefill] or batch.decode
+            for req in reqs:
+                self.abort(req.rid, FinishReason.ERROR, f"internal_error: {exc}")
+
+    def _run_prefill(self, items: list[PrefillItem]) -> None:
+        chunks = [SeqChunk(i.req.tokens(i.start, i.start + i.length), i.start, i.req.pages) for i in items]
+        logits = self.runner.prefill(chunks)
+        self.stats.prefill_tokens += sum(i.length for i in items)
+        self.scheduler.on_prefill_done(items)
+        done = [(row, i.req) for row, i in enumerate(items) if i.completes]
+        if done:
+            rows = torch.tensor([r for r, _ in done])
+            self._sample_and_emit([req for _, req in done], logits.index_select(0, rows))
+
+    def _run_decode(self, reqs: list[Req]) -> None:
+        logits = self.runner.decode([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs],
+                                    [r.seq_len - 1 for r in reqs], [r.pages for r in reqs])
+        self.stats.decode_tokens += len(reqs)
+        self.scheduler.on_decode_done(reqs)
+        self._sample_and_emit(reqs, logits)
+
+    def _sample_and_emit(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        results = self.sampler.sample(logits, [r.sampling for r in reqs])
+        for req, res in zip(reqs, results):
+            self._emit(req, self._append_token(req, res))
+
+    def _append_token(self, req: Req, res) -> StepOutput:
+        tok = res.token_id
+        req.output_ids.append(tok)
+        req.sampling.append(tok)
+        out = StepOutput(req.rid, token_ids=[tok], logprobs=[res.logprob] if res.logprob else [])
+        text, stopped = req.detok.add([tok])
+        out.text = text
+        p = req.params
+        reason = None
+        if stopped or (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            reason = FinishReason.STOP
+        elif len(req.output_ids) >= p.max_tokens or req.seq_len >= self.max_model_len or req.prefill_only:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            if not stopped:
+                out.text += req.detok.flush()
+            self._finish(req, reason)
+        return out
+
+    def _finish(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
+        self.scheduler.finish(req, reason, error)
+
+    def _emit(self, req: Req, out: StepOutput) -> None:
+        out.prompt_tokens = req.prompt_len
+        out.completion_tokens = len(req.output_ids)
+        if req.status == ReqStatus.FINISHED:
+            out.finish_reason, out.error = req.finish_reason, req.error
+            self._reqs.pop(req.rid, None)
+            sink = self._sinks.pop(req.rid, None)
+        else:
+            sink = self._sinks.get(req.rid)
+        if sink is not None:
+            sink(out)
+
+    # -- integrity -----------------------------------------------------------------------
+    def check_idle(self) -> None:
+        """Raise AssertionError unless the engine holds no request and no page."""
+        self.allocator.check_integrity()
+        assert self.scheduler.num_requests == 0, f"{self.scheduler.num_requests} requests still queued"
+        assert not self._reqs and not self._sinks, f"live request records: {list(self._reqs)}"
+        assert self.allocator.num_free == self.allocator.num_total, (
+            f"free pages {self.allocator.num_free} != total {self.allocator.num_total}")

@@ -1,0 +1,131 @@
+"""AsyncEngine: runs EngineCore on a dedicated thread and serves it to asyncio callers.
+
+The engine thread is the only one that touches the core. Other threads talk to it
+through `_inbox` (add, abort, call); outputs come back to each request's asyncio queue
+through `loop.call_soon_threadsafe`. An abort is handled at the top of the next
+iteration, so a disconnected client's pages are free within one scheduler step.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from typing import AsyncIterator, Callable
+
+from kvrelay.engine.core import EngineCore
+from kvrelay.engine.types import EngineClient, GenerateRequest, StepOutput
+
+log = logging.getLogger("kvrelay.engine")
+
+
+def _sink_for(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> Callable[[StepOutput], None]:
+    def sink(out: StepOutput) -> None:
+        try:
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is left to tell
+            pass
+    return sink
+
+
+class AsyncEngine(EngineClient):
+    def __init__(self, core: EngineCore, idle_wait: float = 0.05) -> None:
+        self.core = core
+        self.model_name = core.loaded.name
+        self.max_model_len = core.max_model_len
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle_wait = idle_wait
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvrelay-engine", daemon=True)
+        self._thread.start()
+
+    def tokenizer(self):
+        return self.core.loaded.tokenizer
+
+    # -- the engine thread -----------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain(block=not self.core.has_work)
+            if self.core.has_work:
+                self.core.step()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._inbox.get(timeout=self._idle_wait) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._run(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self, cmd: tuple) -> None:
+        kind, *args = cmd
+        if kind == "add":
+            greq, sink, prefill_only, fut = args
+            try:
+                self.core.add(greq, sink, prefill_only)
+                fut.set_result(None)
+            except Exception as exc:  # rejected: the caller raises it, the loop goes on
+                fut.set_exception(exc)
+        elif kind == "abort":
+            self.core.abort(args[0])
+        elif kind == "call":
+            fn, fut = args
+            try:
+                fut.set_result(fn(self.core))
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+    def call(self, fn: Callable[[EngineCore], object], timeout: float = 30.0):
+        """Run `fn(core)` on the engine thread between steps and return its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", fn, fut))
+        return fut.result(timeout)
+
+    # -- EngineClient ----------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest, prefill_only: bool = False) -> AsyncIterator[StepOutput]:
+        self.core.validate(request)
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
+        added: concurrent.futures.Future = concurrent.futures.Future()
+        finished = False
+        try:
+            # Inside the try: a consumer cancelled while the add is in flight still aborts
+            # (the inbox is FIFO, so the abort lands after the add).
+            self._inbox.put(("add", request, _sink_for(loop, outputs), prefill_only, added))
+            await asyncio.wrap_future(added)
+            while not finished:
+                out = await outputs.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._inbox.put(("abort", request.rid))
+
+    async def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def check_idle(self, timeout: float = 10.0) -> None:
+        """Wait until the engine holds no request, then prove that nothing leaked."""
+        def idle(core: EngineCore) -> bool:
+            return not core.has_work
+
+        deadline = threading.Event()
+        for _ in range(int(timeout / 0.05)):
+            if self.call(idle):
+                break
+            deadline.wait(0.05)
+        self.call(lambda core: core.check_idle())
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def build_engine(loaded, kv_cfg, sched_cfg, kv_buffer: memoryview | None = None) -> AsyncEngine:
+    return AsyncEngine(EngineCore(loaded, kv_cfg, sched_cfg, kv_buffer=kv_buffer))

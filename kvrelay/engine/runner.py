@@ -1,0 +1,91 @@
+"""The model runner: turns scheduled work into ForwardBatch tensors and runs the model.
+
+`prefill` and `decode` are separate entry points (the disaggregated workers use one
+each). Index tensors are built with vectorised torch ops; the only Python loop is over
+the requests of the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvrelay.engine.forward import ForwardBatch
+from kvrelay.engine.kv_pool import KVPool
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """`tokens` are the ids at positions [start, start + len(tokens)) of a sequence whose
+    KV lives in `pages`, in order (pages must cover start + len(tokens) positions)."""
+    tokens: list[int]
+    start: int
+    pages: list[int]
+
+
+def build_forward_batch(chunks: list[SeqChunk], page_size: int) -> ForwardBatch:
+    q_lens = [len(c.tokens) for c in chunks]
+    kv_lens = [c.start + n for c, n in zip(chunks, q_lens)]
+    B, max_q, max_kv = len(chunks), max(q_lens), max(kv_lens)
+    max_pages = -(-max_kv // page_size)
+    page_table = torch.zeros(B, max_pages, dtype=torch.long)
+    for b, c in enumerate(chunks):
+        n = min(len(c.pages), max_pages)
+        page_table[b, :n] = torch.tensor(c.pages[:n], dtype=torch.long)
+    starts = torch.tensor([c.start for c in chunks], dtype=torch.long)
+    q_len_t = torch.tensor(q_lens, dtype=torch.long)
+    kv_len_t = torch.tensor(kv_lens, dtype=torch.long)
+
+    q_off = torch.arange(max_q)
+    q_valid = q_off[None, :] < q_len_t[:, None]                       # [B, max_q]
+    q_pos = starts[:, None] + q_off[None, :]                          # [B, max_q]
+    row_start = torch.cumsum(q_len_t, 0) - q_len_t
+    q_index = torch.where(q_valid, row_start[:, None] + q_off[None, :], torch.zeros_like(q_pos))
+
+    positions = q_pos[q_valid]                                        # [T] in row order
+    rows_b = torch.arange(B)[:, None].expand(B, max_q)[q_valid]
+    write_pages = page_table[rows_b, positions // page_size]
+    write_offsets = positions % page_size
+
+    k_pos = torch.arange(max_kv)
+    read_pages = page_table[:, k_pos // page_size]
+    read_offsets = (k_pos % page_size)[None, :].expand(B, max_kv).contiguous()
+    attn_mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_len_t[:, None, None])
+    attn_mask &= q_valid[:, :, None]
+    # Padded query rows attend to key 0 so softmax never sees an all-False row (no NaN).
+    attn_mask[:, :, 0] |= ~q_valid
+
+    flat_ids = [t for c in chunks for t in c.tokens]
+    return ForwardBatch(
+        input_ids=torch.tensor(flat_ids, dtype=torch.long),
+        positions=positions,
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        write_pages=write_pages,
+        write_offsets=write_offsets,
+        read_pages=read_pages,
+        read_offsets=read_offsets,
+        attn_mask=attn_mask[:, None, :, :],
+        q_index=q_index,
+        q_valid=q_valid,
+        logits_index=row_start + q_len_t - 1,
+        no_prefix=all(c.start == 0 for c in chunks),
+    )
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv: KVPool) -> None:
+        self.model = model
+        self.kv = kv
+        self.page_size = kv.layout.page_size
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """float32 logits [B, vocab] of the last token of each chunk."""
+        return self.model(build_forward_batch(chunks, self.page_size), self.kv)
+
+    def prefill(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        return self.forward(chunks)
+
+    def decode(self, last_tokens: list[int], positions: list[int], pages: list[list[int]]) -> torch.Tensor:
+        return self.forward([SeqChunk([t], p, pg) for t, p, pg in zip(last_tokens, positions, pages)])

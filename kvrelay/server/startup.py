@@ -1,0 +1,36 @@
+"""Start-up helpers shared by every serving command: progress bar, startup line, uvicorn."""
+from __future__ import annotations
+
+import sys
+
+import uvicorn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvrelay.core.config import ServerConfig
+
+
+def load_with_progress(load_model, opts):
+    """Load the model with a progress bar on stderr; a load error exits with one line."""
+    from kvrelay.engine.loader import ModelLoadError
+
+    with Progress(TextColumn("[bold]loading[/] {task.description}"), BarColumn(), TimeElapsedColumn(),
+                  transient=True, console=None) as bar:
+        task = bar.add_task(opts.model, total=None)
+
+        def progress(done: int, total: int, what: str = "") -> None:
+            bar.update(task, completed=done, total=total, description=what or opts.model)
+
+        try:
+            return load_model(opts, progress=progress)
+        except ModelLoadError as exc:
+            bar.stop()
+            print(f"kvrelay: error: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
+
+
+def startup_line(role: str, loaded, kv_tokens: int, url: str) -> str:
+    return f"kvrelay {role}: model {loaded.name} ({loaded.dtype}), KV capacity {kv_tokens} tokens, serving on {url}"
+
+
+def run_uvicorn(app, srv: ServerConfig) -> None:
+    uvicorn.run(app, host=srv.host, port=srv.port, log_level=srv.log_level, access_log=False)

@@ -1,0 +1,155 @@
+"""The engine end to end on tiny random-weight models: parity with transformers'
+generate, batching invisibility, aborts, rejections, and no leaks."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from kvrelay.core.config import KVCacheConfig, ModelOptions, SchedulerConfig
+from kvrelay.engine.engine import build_engine
+from kvrelay.engine.loader import load_model
+from kvrelay.engine.types import FinishReason, GenerateRequest, RequestRejected, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived",
+    "1, 2, 3, 4,",
+    "Translate to German: good morning",
+]
+
+
+def greedy(max_tokens=32, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+async def collect(engine, rid, prompt_ids, params):
+    tokens, text, last = [], "", None
+    async for out in engine.generate(GenerateRequest(rid, tuple(prompt_ids), params)):
+        tokens += out.token_ids
+        text += out.text
+        last = out
+    return tokens, text, last
+
+
+def run_all(engine, jobs):
+    async def main():
+        return await asyncio.gather(*(collect(engine, *job) for job in jobs))
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def hf_and_engine(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from kvrelay.engine.models.testing import make_tiny_model_dir
+
+    path = make_tiny_model_dir(tmp_path_factory.mktemp(request.param), arch=request.param, seed=1)
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    loaded = load_model(ModelOptions(model=str(path), dtype="float32"))
+    engine = build_engine(loaded, KVCacheConfig(page_size=4, max_kv_tokens=2048),
+                          SchedulerConfig(max_running_requests=16, max_prefill_tokens=96))
+    yield hf, engine
+    engine.check_idle()
+    engine.shutdown()
+
+
+def test_greedy_matches_transformers_generate_alone_and_batched(hf_and_engine):
+    hf, engine = hf_and_engine
+    tok = engine.tokenizer()
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    expected = []
+    for p in ids:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, min_new_tokens=32,
+                              pad_token_id=0)
+        expected.append(out[0, len(p):].tolist())
+    alone = [run_all(engine, [(f"alone-{i}", p, greedy())])[0][0] for i, p in enumerate(ids)]
+    batched = [r[0] for r in run_all(engine, [(f"batch-{i}", p, greedy()) for i, p in enumerate(ids)])]
+    assert alone == expected
+    assert batched == expected
+    engine.check_idle()
+
+
+def test_batching_is_invisible_for_16_mixed_requests(tiny_engine):
+    tok = tiny_engine.tokenizer()
+    base = tok("The quick brown fox jumps over the lazy dog. " * 12, add_special_tokens=False)["input_ids"]
+    jobs = [(f"mix-{i}", base[i:i + 5 + 9 * i], greedy(max_tokens=8 + 3 * i)) for i in range(16)]
+    one_by_one = [run_all(tiny_engine, [job])[0][0] for job in jobs]
+    together = [r[0] for r in run_all(tiny_engine, jobs)]
+    assert together == one_by_one
+    assert [len(t) for t in together] == [8 + 3 * i for i in range(16)]
+    tiny_engine.check_idle()
+
+
+def test_preemption_keeps_greedy_outputs(tiny_loaded):
+    """A pool too small for every request at once forces preemption and recompute."""
+    small = build_engine(tiny_loaded, KVCacheConfig(page_size=4, max_kv_tokens=96),
+                         SchedulerConfig(max_running_requests=8, max_prefill_tokens=256))
+    try:
+        tok = small.tokenizer()
+        prompt = tok("Paged attention keeps memory in fixed-size pages.", add_special_tokens=False)["input_ids"]
+        jobs = [(f"p-{i}", prompt[: 6 + i], greedy(max_tokens=20)) for i in range(4)]
+        alone = [run_all(small, [job])[0][0] for job in jobs]
+        together = [r[0] for r in run_all(small, jobs)]
+        assert together == alone
+        assert small.call(lambda core: core.scheduler.num_preemptions) > 0
+        small.check_idle()
+    finally:
+        small.shutdown()
+
+
+def test_stop_string_and_stop_token_and_max_tokens(tiny_engine):
+    tok = tiny_engine.tokenizer()
+    prompt = tok("Hello there, how are you today?", add_special_tokens=False)["input_ids"]
+    tokens, text, last = run_all(tiny_engine, [("free", prompt, greedy(max_tokens=24))])[0]
+    assert last.finish_reason == FinishReason.LENGTH and len(tokens) == 24
+    assert text == tok.decode(tokens, skip_special_tokens=True)
+    # Stop on the 5th generated token id: generation ends there with reason "stop".
+    stop_id = tokens[4]
+    first = tokens.index(stop_id)
+    t2, _, last2 = run_all(tiny_engine, [("stoptok", prompt, greedy(max_tokens=24, stop_token_ids=(stop_id,)))])[0]
+    assert last2.finish_reason == FinishReason.STOP and t2 == tokens[: first + 1]
+    # A stop string taken from the middle of the text: the returned text ends right before it.
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    if stop.strip():
+        _, t3, last3 = run_all(tiny_engine, [("stopstr", prompt, greedy(max_tokens=24, stop=(stop,)))])[0]
+        assert last3.finish_reason == FinishReason.STOP
+        assert stop not in t3 and text.startswith(t3)
+    tiny_engine.check_idle()
+
+
+def test_abort_frees_pages_within_a_step(tiny_engine):
+    async def main():
+        gen = tiny_engine.generate(GenerateRequest("to-abort", tuple(range(100, 140)), greedy(max_tokens=500)))
+        first = await gen.__anext__()
+        assert first.token_ids
+        await gen.aclose()  # the client went away
+    asyncio.run(main())
+    tiny_engine.check_idle(timeout=5)
+    assert tiny_engine.call(lambda core: core.allocator.num_free) == tiny_engine.call(lambda core: core.allocator.num_total)
+
+
+def test_rejections_are_clear_and_leak_nothing(tiny_engine):
+    async def attempt(prompt, params):
+        async for _ in tiny_engine.generate(GenerateRequest("bad", tuple(prompt), params)):
+            pass
+    cases = [([], greedy(), "empty"),
+             ([10**9], greedy(), "vocabulary"),
+             ([1, 2, 3], greedy(max_tokens=10**6), "context length")]
+    for prompt, params, words in cases:
+        with pytest.raises(RequestRejected) as err:
+            asyncio.run(attempt(prompt, params))
+        assert words in str(err.value)
+    tiny_engine.check_idle()
+
+
+def test_same_seed_same_sampled_output(tiny_engine):
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True)
+    prompt = list(range(200, 230))
+    a = run_all(tiny_engine, [("s1", prompt, params)])[0][0]
+    b = run_all(tiny_engine, [("s2", prompt, params), ("s3", prompt[:10], params)])[0][0]
+    assert a == b
+    tiny_engine.check_idle()

@@ -1,0 +1,114 @@
+"""The allocator and the continuous-batching scheduler, pure Python (no model)."""
+import pytest
+
+from kvrelay.core.config import SchedulerConfig
+from kvrelay.engine.allocator import IntegrityError, PageAllocator
+from kvrelay.engine.request import Req, ReqStatus
+from kvrelay.engine.scheduler import Scheduler
+from kvrelay.engine.types import FinishReason, SamplingParams
+
+
+def make(num_pages=8, page_size=4, max_running=8, budget=64):
+    alloc = PageAllocator(num_pages)
+    return alloc, Scheduler(SchedulerConfig(max_running_requests=max_running, max_prefill_tokens=budget), alloc, page_size)
+
+
+def req(rid, prompt_len, max_tokens=8):
+    return Req(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens))
+
+
+def run_step(s: Scheduler, token=7):
+    """Simulate one engine step: mark compute done and append a sampled token."""
+    batch = s.schedule()
+    if batch.prefill:
+        s.on_prefill_done(batch.prefill)
+        for item in batch.prefill:
+            if item.completes:
+                item.req.output_ids.append(token)
+    else:
+        s.on_decode_done(batch.decode)
+        for r in batch.decode:
+            r.output_ids.append(token)
+    return batch
+
+
+def test_allocator_owner_and_integrity():
+    a = PageAllocator(4)
+    got = a.allocate(3, "x")
+    assert sorted(got) == [0, 1, 2] and a.num_free == 1
+    assert a.allocate(2, "y") is None and a.num_free == 1
+    assert all(a.owner_of(p) == "x" for p in got)
+    a.transfer("x", ("quarantine", "x"))
+    assert a.pages_of(("quarantine", "x")) == got and a.pages_of("x") == []
+    assert a.free(("quarantine", "x")) == 3 and a.free(("quarantine", "x")) == 0
+    a.check_integrity()
+    assert a.num_free == a.num_total == 4
+
+
+def test_allocator_detects_double_ownership():
+    a = PageAllocator(2)
+    a.allocate(1, "x")
+    a._pages.setdefault("y", []).append(a.pages_of("x")[0])
+    with pytest.raises(IntegrityError):
+        a.check_integrity()
+
+
+def test_admission_waits_for_pages_in_fifo_order():
+    alloc, s = make(num_pages=4, page_size=4)
+    a, b = req("a", 12), req("b", 8)  # a needs 3 pages, b needs 2
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    assert [i.req.rid for i in batch.prefill] == ["a"]
+    assert alloc.num_free == 1 and b.status == ReqStatus.WAITING
+    s.finish(a, FinishReason.STOP)
+    assert [i.req.rid for i in s.schedule().prefill] == ["b"]
+    s.finish(b, FinishReason.ABORT)
+    alloc.check_integrity()
+    assert alloc.num_free == alloc.num_total
+
+
+def test_prefill_budget_chunks_long_prompts():
+    alloc, s = make(num_pages=16, page_size=4, budget=10)
+    r = req("long", 25)
+    s.add(r)
+    lengths = []
+    while r.status == ReqStatus.WAITING:
+        batch = run_step(s)
+        lengths += [i.length for i in batch.prefill]
+    assert lengths == [10, 10, 5]
+    assert r.num_computed == 25 and r.output_ids == [7] and r.status == ReqStatus.RUNNING
+    s.finish(r, FinishReason.LENGTH)
+    assert alloc.num_free == alloc.num_total
+
+
+def test_max_running_requests_caps_the_batch():
+    alloc, s = make(num_pages=32, page_size=4, max_running=2)
+    for i in range(3):
+        s.add(req(f"r{i}", 4))
+    first = run_step(s)
+    assert [i.req.rid for i in first.prefill] == ["r0", "r1"]
+    decode = run_step(s)
+    assert [r.rid for r in decode.decode] == ["r0", "r1"] and len(s.waiting) == 1
+    for r in list(s.running) + list(s.waiting):
+        s.finish(r, FinishReason.ABORT)
+    assert alloc.num_free == alloc.num_total and s.num_requests == 0
+
+
+def test_decode_preempts_newest_when_pool_is_full_and_recomputes_it():
+    alloc, s = make(num_pages=4, page_size=4)
+    old, new = req("old", 8), req("new", 8)   # 2 pages each: the pool is full after prefill
+    s.add(old)
+    s.add(new)
+    run_step(s)
+    assert alloc.num_free == 0
+    batch = run_step(s)                        # both need a third page: "new" is preempted
+    assert [r.rid for r in batch.decode] == ["old"]
+    assert new.status == ReqStatus.WAITING and new.num_preemptions == 1 and new.pages == []
+    assert new.output_ids == [7]               # kept: recomputed from prompt + output later
+    s.finish(old, FinishReason.STOP)
+    batch = run_step(s)
+    assert batch.prefill[0].req is new and batch.prefill[0].length == 9
+    s.finish(new, FinishReason.STOP)
+    alloc.check_integrity()
+    assert alloc.num_free == alloc.num_total
