@@ -23,29 +23,34 @@ KIB, MIB = 1 << 10, 1 << 20
 LATENCY_SIZE = 4 * KIB
 SIZES = (1 * MIB, 16 * MIB, 256 * MIB)
 # A case is built for one size: it returns (run_once, cleanup); run_once moves `size` bytes
-# and returns when the sender knows they landed.
-Case = Callable[[int], "tuple[Callable[[], None], Callable[[], None]]"]
+# and returns when the sender knows they landed, optionally with its own timing (seconds)
+# when set-up it must not count (a room's rendezvous) happens inside it.
+Case = Callable[[int], "tuple[Callable[[], float | None], Callable[[], None]]"]
 
 
 def reps_for(size: int, quick: bool) -> int:
     if size <= LATENCY_SIZE:
-        return 50 if quick else 200
-    n = 3 if size >= 256 * MIB else 10 if size >= 16 * MIB else 30
+        return 50 if quick else 300
+    n = 7 if size >= 256 * MIB else 30 if size >= 16 * MIB else 100
     return max(2, n // 3) if quick else n
 
 
-def median_seconds(case: Case, size: int, quick: bool) -> float:
-    run_once, cleanup = case(size)
+def median_seconds(cases: list[Case], size: int, quick: bool) -> list[float]:
+    """Median time of each case at `size`. The cases' repetitions are interleaved, so a
+    burst of load from another process hits a baseline and its backend alike."""
+    built = [case(size) for case in cases]
     try:
-        run_once()  # warm-up: first touch of pages, connection setup
-        times = []
-        for _ in range(reps_for(size, quick)):
-            t = time.perf_counter()
-            run_once()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
+        times: list[list[float]] = [[] for _ in built]
+        for rep in range(reps_for(size, quick) + 1):
+            for (run_once, _), samples in zip(built, times):
+                t = time.perf_counter()
+                own = run_once()
+                if rep:  # rep 0 warms up: first touch of pages, connection set-up
+                    samples.append(time.perf_counter() - t if own is None else own)
+        return [statistics.median(t) for t in times]
     finally:
-        cleanup()
+        for _, cleanup in built:
+            cleanup()
 
 
 def filled(size: int) -> bytearray:
@@ -90,23 +95,39 @@ def pyzmq_case(size: int):
     return run_once, cleanup
 
 
+def anon_buffer(size: int):
+    """Private anonymous memory on transparent huge pages (what the nixl backend registers),
+    so the baseline and the backend copy between the same kind of memory."""
+    import ctypes
+    import mmap
+    mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mem.madvise(mmap.MADV_HUGEPAGE)
+    return mem, ctypes.addressof(ctypes.c_char.from_buffer(mem))
+
+
 def nixl_case(size: int):
-    import numpy as np
+    import logging
+
     from nixl._api import nixl_agent, nixl_agent_config
+    logging.getLogger("nixl").setLevel(logging.WARNING)
     cfg = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
     a, b = nixl_agent(f"bench-a-{size}", cfg), nixl_agent(f"bench-b-{size}", cfg)
-    src, dst = np.frombuffer(filled(size), np.uint8), np.zeros(size, np.uint8)
-    reg_a = a.register_memory([(src.ctypes.data, size, 0, "")], "DRAM")
-    reg_b = b.register_memory([(dst.ctypes.data, size, 0, "")], "DRAM")
+    (src, src_addr), (dst, dst_addr) = anon_buffer(size), anon_buffer(size)
+    src[:] = filled(size)
+    reg_a = a.register_memory([(src_addr, size, 0, "")], "DRAM")
+    reg_b = b.register_memory([(dst_addr, size, 0, "")], "DRAM")
+    buffers = [src, dst]
     remote = a.add_remote_agent(b.get_agent_metadata())
-    local_descs = a.get_xfer_descs([(src.ctypes.data, size, 0)], "DRAM")
-    remote_descs = a.get_xfer_descs([(dst.ctypes.data, size, 0)], "DRAM")
+    local_descs = a.get_xfer_descs([(src_addr, size, 0)], "DRAM")
+    remote_descs = a.get_xfer_descs([(dst_addr, size, 0)], "DRAM")
 
     def run_once() -> None:
         handle = a.initialize_xfer("WRITE", local_descs, remote_descs, remote)
         state = a.transfer(handle)
-        while state == "PROC":
+        while state == "PROC":  # no progress threads: both agents are pumped here
             state = a.check_xfer_state(handle)
+            b.get_new_notifs()
         a.release_xfer_handle(handle)
         if state != "DONE":
             raise RuntimeError(f"NIXL write ended in {state}")
@@ -115,6 +136,7 @@ def nixl_case(size: int):
         a.remove_remote_agent(remote)
         a.deregister_memory(reg_a)
         b.deregister_memory(reg_b)
+        buffers.clear()  # registered memory must outlive its registration
     return run_once, cleanup
 
 
@@ -126,13 +148,75 @@ BASELINES: dict[str, tuple[str, Case]] = {
 }
 
 
+# ---- kvrelay backends -------------------------------------------------------------------
+
+def bench_layout(size: int):
+    """4 KiB pages for the latency case, 256 KiB pages (a small model's real page size) for
+    bandwidth."""
+    from kvrelay.core.kvlayout import KVLayout
+    layers = 1 if size <= LATENCY_SIZE else 64
+    return KVLayout("bench", "float32", page_size=16, num_layers=layers, num_kv_heads=1, head_dim=32)
+
+
+def backend_case(name: str) -> Case:
+    def case(size: int):
+        from kvrelay.core.config import TransferConfig
+        from kvrelay.disagg import wire
+        from kvrelay.disagg.transfer import create_manager
+        from kvrelay.disagg.transfer.base import TransferStatus as S
+        layout = bench_layout(size)
+        pages = list(range(size // layout.page_bytes))
+        p, d = (create_manager(name, layout, TransferConfig(transfer_backend=name)) for _ in range(2))
+        p.allocate_pool(len(pages))[:] = filled(size)
+        d.allocate_pool(len(pages))
+        rooms = iter(range(1, 1 << 30))
+
+        def pump_until(cond) -> None:
+            deadline = time.monotonic() + 60
+            while not cond():
+                p.progress()
+                d.progress()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name}: transfer did not finish in 60 s")
+
+        def run_once() -> float:
+            room = next(rooms)
+            rcv, snd = d.receiver(room), p.sender(room)
+            rcv.init(p.address)
+            pump_until(lambda: rcv.poll() is S.WAITING)
+            rcv.send_metadata(pages, epoch=room)
+            pump_until(lambda: snd.poll() is S.WAITING)
+            t = time.perf_counter()
+            snd.send(pages, wire.Aux(0, 0, first_token=1))
+            pump_until(lambda: snd.poll() is not S.TRANSFERRING)
+            elapsed = time.perf_counter() - t
+            if snd.poll() is not S.SUCCESS:
+                raise RuntimeError(f"{name}: {snd.failure_reason} {snd.failure_detail}")
+            pump_until(lambda: rcv.poll() is S.SUCCESS)
+            snd.close()
+            rcv.close()
+            return elapsed
+
+        def cleanup() -> None:
+            p.close()
+            d.close()
+        return run_once, cleanup
+    return case
+
+
+BACKEND_CASES: dict[str, Case] = {name: backend_case(name) for name in BASELINES}
+
+
 # ---- report ------------------------------------------------------------------------------
 
-def measure_row(label: str, case: Case, quick: bool) -> dict:
-    row = {"name": label, "lat_us": median_seconds(case, LATENCY_SIZE, quick) * 1e6}
+def measure_rows(labels: list[str], cases: list[Case], quick: bool) -> list[dict]:
+    rows = [{"name": label} for label in labels]
+    for row, t in zip(rows, median_seconds(cases, LATENCY_SIZE, quick)):
+        row["lat_us"] = t * 1e6
     for size in SIZES:
-        row[size] = size / median_seconds(case, size, quick) / 1e9
-    return row
+        for row, t in zip(rows, median_seconds(cases, size, quick)):
+            row[size] = size / t / 1e9
+    return rows
 
 
 def fmt_row(row: dict, base: dict | None = None) -> str:
@@ -159,14 +243,13 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in args.backends.split(","):
         label, case = BASELINES[name]
-        base = measure_row(label, case, args.quick)
-        rows.append((base, None))
-        if not args.baselines_only:
-            rows.append((measure_row(name, BACKEND_CASES[name], args.quick), base))
+        if args.baselines_only:
+            rows.append((measure_rows([label], [case], args.quick)[0], None))
+            continue
+        base, mine = measure_rows([label, name], [case, BACKEND_CASES[name]], args.quick)
+        rows += [(base, None), (mine, base)]
     print_table(rows)
 
-
-BACKEND_CASES: dict[str, Case] = {}
 
 if __name__ == "__main__":
     main()

@@ -378,11 +378,13 @@ async def test_failure_before_first_token_keeps_its_status(app, tiny_engine, mon
 
 # -- client disconnect --------------------------------------------------------------------
 
-async def call_asgi(app, path: str, body: dict, disconnect_after_chunks: int) -> list[dict]:
+async def call_asgi(app, path: str, body: dict, disconnect_after_chunks: int, spec: str = "2.3") -> list[dict]:
     """Drive the ASGI app directly: the client sends `body`, then disconnects once it has
-    received `disconnect_after_chunks` response body messages (0: right after sending)."""
+    received `disconnect_after_chunks` response body messages (0: right after sending).
+    Starlette cancels a stream on disconnect under ASGI spec < 2.4 only; kvrelay must
+    abort under both."""
     raw = json.dumps(body).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec}, "http_version": "1.1", "method": "POST",
              "scheme": "http", "path": path, "raw_path": b"", "query_string": b"", "root_path": "",
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
              "client": ("127.0.0.1", 1), "server": ("kvrelay", 80)}
@@ -409,12 +411,16 @@ async def call_asgi(app, path: str, body: dict, disconnect_after_chunks: int) ->
     return sent
 
 
-async def test_disconnect_mid_stream_aborts_request(app, tiny_engine):
+@pytest.mark.parametrize("spec", ["2.3", "2.4"])
+async def test_disconnect_mid_stream_aborts_request(app, tiny_engine, spec):
     body = {"prompt": "Tell me everything", "max_tokens": 900, "ignore_eos": True, "stream": True}
-    sent = await call_asgi(app, C, body, disconnect_after_chunks=2)
+    sent = await call_asgi(app, C, body, disconnect_after_chunks=2, spec=spec)
     assert sent[0]["status"] == 200
     chunks = b"".join(m.get("body", b"") for m in sent[1:]).decode()
-    assert "[DONE]" not in chunks or '"finish_reason":"abort"' in chunks   # never a full completion
+    if spec == "2.4":   # nothing cancels the stream: it ends on its own, as aborted
+        assert '"finish_reason":"abort"' in chunks and chunks.endswith("data: [DONE]\n\n")
+    else:
+        assert "[DONE]" not in chunks or '"finish_reason":"abort"' in chunks
     assert chunks.count("data: ") < 900
     tiny_engine.check_idle()
 
@@ -426,4 +432,35 @@ async def test_disconnect_while_waiting_aborts_request(app, tiny_engine):
         answer = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
         assert answer["choices"][0]["finish_reason"] == "abort"
         assert answer["usage"]["completion_tokens"] < 900
+    tiny_engine.check_idle()
+
+
+# -- concurrency and composition ----------------------------------------------------------
+
+async def test_concurrent_requests_all_answered(app, tiny_engine):
+    async def one(c, i):
+        path, ok = (C, OK_C) if i % 2 else (CHAT, OK_CHAT)
+        r = await c.post(path, json={**ok, "max_tokens": 3 + i, "ignore_eos": True, "stream": i % 3 == 0})
+        assert r.status_code == 200, r.text
+        return r
+
+    async with api(app) as c:
+        rs = await asyncio.gather(*(one(c, i) for i in range(12)))
+    assert len({r.text for r in rs}) == 12
+    tiny_engine.check_idle()
+
+
+async def test_extra_routes_are_mounted(tiny_engine):
+    from fastapi import APIRouter
+    from starlette.routing import Route
+    from starlette.responses import PlainTextResponse
+
+    router = APIRouter()
+    router.add_api_route("/debug/requests", lambda: {"requests": []}, methods=["GET"])
+    route = Route("/metrics", lambda request: PlainTextResponse("kvrelay_up 1\n"))
+    app = build_openai_app(tiny_engine, extra_routes=[router, route])
+    async with api(app) as c:
+        assert (await c.get("/debug/requests")).json() == {"requests": []}
+        assert (await c.get("/metrics")).text == "kvrelay_up 1\n"
+        assert (await c.post(C, json=OK_C)).status_code == 200
     tiny_engine.check_idle()

@@ -11,6 +11,7 @@ Contract (every implementation):
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
@@ -113,9 +114,21 @@ class ZmqChannel(Channel):
         if port == 0:
             port = self._pull.bind_to_random_port(f"tcp://{host}")
         else:
-            self._pull.bind(f"tcp://{host}:{port}")
+            self._bind(f"tcp://{host}:{port}")
         self.address = f"tcp://{host}:{port}"
         self._push: dict[str, object] = {}
+
+    def _bind(self, endpoint: str, attempts: int = 200) -> None:
+        """zmq closes sockets in its I/O thread, so a port closed a moment ago (a restart at
+        the same address) may still be busy: retry briefly at startup, never in the loop."""
+        for i in range(attempts):
+            try:
+                self._pull.bind(endpoint)
+                return
+            except self._zmq.ZMQError as e:
+                if e.errno != self._zmq.EADDRINUSE or i == attempts - 1:
+                    raise
+                time.sleep(0.01)
 
     def _socket(self, dst: str):
         sock = self._push.get(dst)
@@ -124,6 +137,7 @@ class ZmqChannel(Channel):
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, self._hwm)
+            sock.setsockopt(zmq.RECONNECT_IVL, 10)  # ms: a restarted peer is reached fast
             sock.connect(dst)
             self._push[dst] = sock
         return sock

@@ -116,9 +116,6 @@ class DecodeSide(Coordinator):
         self._end_quarantines()
 
     def _try_reserve(self, r: Room, rcv: KVReceiver) -> None:
-        peer = self.manager.peers().get(r.peer or "")
-        if peer is not None:
-            r.peer_incarnation = peer.incarnation
         got = self.reserve(r.room, r.data["n_pages"])
         if got is None:
             return  # pool full: retry next iteration
@@ -162,10 +159,11 @@ class DecodeSide(Coordinator):
         return {room: wire.QUARANTINE_PHASE for room in self.quarantine}
 
     def _depends_on_peer(self, r: Room) -> bool:
-        return r.phase is not DPhase.DECODE
+        rcv = self._receivers.get(r.room)
+        return rcv is not None and rcv.poll() is not S.SUCCESS  # KV + aux in: P is done with us
 
     def _on_peer_phase(self, r: Room, phase: str) -> None:
-        if r.phase is DPhase.DECODE:
+        if not self._depends_on_peer(r):
             return
         if phase in ("failed", "aborted"):
             reason = Reason.ABORTED.value if phase == "aborted" else Reason.PEER_FAILED.value

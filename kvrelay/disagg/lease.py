@@ -136,6 +136,8 @@ class Coordinator(ABC):
                 self._fail(r, Reason.PEER_FAILED.value, "peer no longer holds the room")
             return
         r.peer_known_seq = lease.last_seq
+        if r.peer_incarnation is None:
+            r.peer_incarnation = lease.incarnation  # the incarnation that holds the room
         self._on_peer_phase(r, phase)
 
     def _watchdog(self) -> None:

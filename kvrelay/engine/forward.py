@@ -3,6 +3,10 @@
 Tokens of all B sequences in the batch are flattened into T rows. Each sequence has
 `q_lens[b]` new tokens this pass and `kv_lens[b]` tokens of KV after it (cached + new);
 prefill passes have q_len > 1 (kv_len > q_len for a later chunk), decode passes q_len = 1.
+Key position j of sequence b lives in page `page_table[b, j // page_size]` at slot
+`j % page_size`; the mask is False for padding, future positions and j >= kv_len.
+Every mask row has at least one True (padded query rows see key 0), so softmax never
+produces NaN.
 """
 from __future__ import annotations
 
@@ -19,9 +23,8 @@ class ForwardBatch:
     kv_lens: list[int]           # [B] KV length per sequence after this pass
     write_pages: torch.Tensor    # [T] int64: page that receives each new token's K/V
     write_offsets: torch.Tensor  # [T] int64: slot within that page
-    read_pages: torch.Tensor     # [B, max_kv] int64: page of each key position (0 where padded)
-    read_offsets: torch.Tensor   # [B, max_kv] int64
-    attn_mask: torch.Tensor      # [B, 1, max_q, max_kv] bool, True = may attend (causal + padding)
+    page_table: torch.Tensor     # [B, max_pages] int64: the pages of each sequence, in order (0 = pad)
+    attn_mask: torch.Tensor      # [B, 1, max_q, max_pages * page_size] bool, True = may attend
     q_index: torch.Tensor        # [B, max_q] int64 row in T of each padded query (0 where padded)
     q_valid: torch.Tensor        # [B, max_q] bool, False where padded
     logits_index: torch.Tensor   # [B] int64 row in T whose logits are returned (last new token)

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+# metadata value type id -> struct format; 8 (string) and 9 (array) are read by hand
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+            10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 _DEFAULT_ALIGNMENT = 32
 

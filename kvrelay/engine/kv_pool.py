@@ -28,17 +28,32 @@ class KVPool:
         self._bytes = flat
         shape = (num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
         self.data = flat.view(TORCH_DTYPES[layout.dtype]).view(shape)
+        L, S, H, D = layout.num_layers, layout.page_size, layout.num_kv_heads, layout.head_dim
+        # Two flat views of the same bytes: one row per token slot (for writes), and one
+        # row per (page, layer, K|V) holding a whole page's keys or values (for gathers).
+        self._slots = self.data.view(num_pages * L * 2 * S, H, D)
+        self._page_halves = self.data.view(num_pages * L * 2, S, H, D)
 
     @property
     def page_bytes(self) -> int:
         return self.layout.page_bytes
 
-    def k_cache(self, layer: int) -> torch.Tensor:
-        """[num_pages, page_size, num_kv_heads, head_dim] view (strided, not contiguous)."""
-        return self.data[:, layer, 0]
+    def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, H, D] of T tokens at (pages[t], offsets[t]) of `layer`."""
+        L, S = self.layout.num_layers, self.layout.page_size
+        k_rows = (pages * L + layer) * (2 * S) + offsets
+        self._slots.index_copy_(0, k_rows, k.to(self._slots.dtype))
+        self._slots.index_copy_(0, k_rows + S, v.to(self._slots.dtype))
 
-    def v_cache(self, layer: int) -> torch.Tensor:
-        return self.data[:, layer, 1]
+    def gather(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` for page_table [B, max_pages]: each [B, max_pages * S, H, D]."""
+        B, max_pages = page_table.shape
+        L, S = self.layout.num_layers, self.layout.page_size
+        k_rows = ((page_table * L + layer) * 2).flatten()
+        shape = (B, max_pages * S, *self._page_halves.shape[-2:])
+        return (self._page_halves.index_select(0, k_rows).view(shape),
+                self._page_halves.index_select(0, k_rows + 1).view(shape))
 
     def buffer(self) -> memoryview:
         """The whole pool as one writable byte buffer (num_pages * page_bytes)."""

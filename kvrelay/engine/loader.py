@@ -19,7 +19,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterator
 
-import numpy as np
 import torch
 
 from kvrelay.core.config import DEFAULT_MODEL, ModelOptions
@@ -52,7 +51,7 @@ class LoadedModel:
 
 
 def load_model(opts: ModelOptions, progress: Progress | None = None, device: str = "cpu") -> LoadedModel:
-    if opts.dtype not in TORCH_DTYPES:
+    if opts.dtype not in ("float32", "bfloat16"):
         raise ModelLoadError(f"unsupported dtype {opts.dtype!r}; choose float32 or bfloat16")
     spec = opts.model
     if spec == DEFAULT_MODEL:
@@ -111,7 +110,7 @@ def arch_from_hf_config(cfg) -> ArchConfig:
         max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
         rope_theta=float(theta), rope_scaling=None if kind == "default" else rope,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        attention_bias=bool(getattr(cfg, "attention_bias", False)))
+        attention_bias=name == "Qwen2ForCausalLM" or bool(getattr(cfg, "attention_bias", False)))
 
 
 def _max_model_len(arch: ArchConfig, cfg) -> int:
@@ -352,18 +351,33 @@ def _gguf_tensors(reader: GGUFFile, cfg, path: Path):
     permute = cfg.model_type in ("llama", "mistral")
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
 
-    def gen():
-        for t in reader.tensors:
-            try:
-                w = torch.from_numpy(reader.read(t))
-            except Exception as e:
-                raise ModelLoadError(f"{path.name}: cannot decode tensor {t.name} ({e}); "
-                                     "the file is corrupt or truncated") from e
-            kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
-            if permute and kind in heads:
-                w = _unpermute_qk(w, heads[kind])
-            yield _hf_name(t.name), w
-    return len(reader.tensors), gen()
+    def decode(t) -> tuple[str, torch.Tensor]:
+        try:
+            w = torch.from_numpy(reader.read(t))
+        except Exception as e:
+            raise ModelLoadError(f"{path.name}: cannot decode tensor {t.name} ({e}); "
+                                 "the file is corrupt or truncated") from e
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        if permute and kind in heads:
+            w = _unpermute_qk(w, heads[kind])
+        return _hf_name(t.name), w
+
+    return len(reader.tensors), _prefetched(decode, reader.tensors)
+
+
+def _prefetched(fn, items, ahead: int = 8):
+    """fn(item) for each item, in order, computed on worker threads (numpy dequantisation
+    releases the GIL) with at most `ahead` results held at once."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        pending: deque = deque()
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= ahead:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def _load_gguf(path: Path, opts: ModelOptions, progress, device, name: str) -> LoadedModel:

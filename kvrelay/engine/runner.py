@@ -26,8 +26,9 @@ class SeqChunk:
 def build_forward_batch(chunks: list[SeqChunk], page_size: int) -> ForwardBatch:
     q_lens = [len(c.tokens) for c in chunks]
     kv_lens = [c.start + n for c, n in zip(chunks, q_lens)]
-    B, max_q, max_kv = len(chunks), max(q_lens), max(kv_lens)
-    max_pages = -(-max_kv // page_size)
+    B, max_q = len(chunks), max(q_lens)
+    max_pages = -(-max(kv_lens) // page_size)
+    max_kv = max_pages * page_size  # keys are read a whole page at a time
     page_table = torch.zeros(B, max_pages, dtype=torch.long)
     for b, c in enumerate(chunks):
         n = min(len(c.pages), max_pages)
@@ -48,8 +49,6 @@ def build_forward_batch(chunks: list[SeqChunk], page_size: int) -> ForwardBatch:
     write_offsets = positions % page_size
 
     k_pos = torch.arange(max_kv)
-    read_pages = page_table[:, k_pos // page_size]
-    read_offsets = (k_pos % page_size)[None, :].expand(B, max_kv).contiguous()
     attn_mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_len_t[:, None, None])
     attn_mask &= q_valid[:, :, None]
     # Padded query rows attend to key 0 so softmax never sees an all-False row (no NaN).
@@ -63,8 +62,7 @@ def build_forward_batch(chunks: list[SeqChunk], page_size: int) -> ForwardBatch:
         kv_lens=kv_lens,
         write_pages=write_pages,
         write_offsets=write_offsets,
-        read_pages=read_pages,
-        read_offsets=read_offsets,
+        page_table=page_table,
         attn_mask=attn_mask[:, None, :, :],
         q_index=q_index,
         q_valid=q_valid,

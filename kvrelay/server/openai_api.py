@@ -44,6 +44,9 @@ def _finish(reason: FinishReason | None) -> str | None:
 
 
 class OpenAIServing:
+    """The routes. Tokenizing runs on the event loop: it is short next to a forward pass,
+    and one Hugging Face tokenizer is not safe to share between threads."""
+
     def __init__(self, client: EngineClient) -> None:
         self.client = client
         self.tok = client.tokenizer()

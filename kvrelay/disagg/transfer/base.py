@@ -75,6 +75,7 @@ class WriteJob:
     state: WriteState = WriteState.PENDING
     detail: str = ""
     handle: Any = None
+    fault: str | None = None  # injected: "hang" (never started, never stops) or "fail"
 
     def finish(self) -> None:
         if self.state is WriteState.PENDING:

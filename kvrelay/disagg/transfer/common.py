@@ -126,7 +126,7 @@ class CommonSender(_Endpoint, KVSender):
         if job is None or self.status is not S.TRANSFERRING:
             return
         if job.state is WriteState.PENDING:
-            self.m.write_progress(job)
+            self.m.progress_job(job)
         if job.state is WriteState.FAILED:
             self._fail("transfer_error", job.detail or "write failed")
         elif job.state is WriteState.DONE and not self.aux_sent:
@@ -282,6 +282,7 @@ class CommonManager(TransferManager):
         self._closed: dict[int, tuple[float, CommonSender]] = {}   # P tombstones: room -> (expiry, sender)
         self._owner: dict[int, tuple[int, int]] = {}     # D page -> (room, epoch) of its receiver
         self._heartbeats: list[tuple[str, wire.Heartbeat]] = []
+        self._await_peer: dict[str, list[Received]] = {}   # Destinations from a peer not yet learned
 
     # ---- backend hooks (see module docstring) ----------------------------------------
     def allocate_pool(self, num_pages: int) -> memoryview:
@@ -330,15 +331,18 @@ class CommonManager(TransferManager):
 
     # ---- jobs (fault hook in front of the backend) --------------------------------------
     def start_job(self, job: WriteJob) -> None:
-        fault = self.faults.transfer_fault()
-        job.handle = ("fault", fault) if fault else None
-        if fault == "fail":
+        job.fault = self.faults.transfer_fault()
+        if job.fault == "fail":
             job.fail("injected transfer failure")
-        elif fault is None:
+        elif job.fault is None:
             self.write_start(job)
 
+    def progress_job(self, job: WriteJob) -> None:
+        if job.fault is None:
+            self.write_progress(job)
+
     def cancel_job(self, job: WriteJob) -> bool:
-        if job.handle == ("fault", "hang"):
+        if job.fault == "hang":
             return False  # a hung write can never confirm that it stopped
         return self.write_cancel(job)
 
@@ -372,6 +376,7 @@ class CommonManager(TransferManager):
     def forget_peer(self, address: str) -> None:
         peer = self._peers.pop(address, None)
         self._asked.pop(address, None)
+        self._await_peer.pop(address, None)
         if peer is not None:
             self.disconnect(peer)
         self.channel.forget(address)
@@ -400,21 +405,24 @@ class CommonManager(TransferManager):
         peer = self._peers.get(rcv.peer_address or "")
         if peer is not None:
             rcv.on_peer(peer)
-        elif rcv.peer_address not in self._asked:
-            self._ask(rcv.peer_address)
+        elif rcv.peer_address:
+            self._ask_if_due(rcv.peer_address)
 
     def _ask(self, address: str) -> None:
         self._asked[address] = self.clock.now()
         self.channel.send(address, self._identity(wire.BootstrapQuery))
 
+    def _ask_if_due(self, address: str) -> None:
+        """At most one BootstrapQuery per peer per heartbeat interval."""
+        if self.clock.now() - self._asked.get(address, -1e18) >= self.lifecycle.heartbeat_interval:
+            self._ask(address)
+
     def _reask(self) -> None:
-        """Resend BootstrapQuery once per heartbeat interval while a receiver waits."""
-        now = self.clock.now()
+        """Resend BootstrapQuery while a receiver or a held Destination waits for a peer."""
         waiting = {r.peer_address for r in self._receivers.values() if r.status is S.BOOTSTRAPPING}
-        for address in waiting:
-            if address and address not in self._peers and \
-                    now - self._asked.get(address, -1e18) >= self.lifecycle.heartbeat_interval:
-                self._ask(address)
+        for address in waiting | set(self._await_peer):
+            if address and address not in self._peers:
+                self._ask_if_due(address)
 
     def _learn(self, src: str, ident: wire.BootstrapQuery | wire.BootstrapInfo) -> PeerInfo:
         old = self._peers.get(src)
@@ -437,7 +445,6 @@ class CommonManager(TransferManager):
             self.channel.send(r.src, self._identity(wire.BootstrapInfo))
         elif isinstance(msg, wire.BootstrapInfo):
             peer = self._learn(r.src, msg)
-            self._asked.pop(r.src, None)
             for rcv in list(self._receivers.values()):
                 if rcv.peer_address == r.src:
                     rcv.on_peer(peer)
@@ -447,13 +454,23 @@ class CommonManager(TransferManager):
             self._dispatch_room(r)
         else:
             self.on_data(r)
+        if isinstance(msg, (wire.BootstrapQuery, wire.BootstrapInfo)):
+            self._asked.pop(r.src, None)
+            for held in self._await_peer.pop(r.src, []):
+                self._dispatch_room(held)
+
 
     def _dispatch_room(self, r: Received) -> None:
         msg = r.msg
         room = msg.room  # type: ignore[attr-defined]
         snd, rcv = self._senders.get(room), self._receivers.get(room)
         if isinstance(msg, wire.Destination):
-            if snd is not None:
+            if r.src not in self._peers:  # e.g. this worker restarted: learn D first
+                held = self._await_peer.setdefault(r.src, [])
+                if len(held) < 64:
+                    held.append(r)
+                self._ask_if_due(r.src)
+            elif snd is not None:
                 snd.init(msg, r.src)
             elif room in self._closed:
                 self._closed[room][1].init(msg, r.src)  # a failed tombstone answers with a Notice
@@ -483,6 +500,8 @@ class CommonManager(TransferManager):
 
     def _on_heartbeat(self, src: str, hb: wire.Heartbeat) -> None:
         self._heartbeats.append((src, hb))
+        if src not in self._peers:
+            self._ask_if_due(src)  # a peer that knows us but we don't know (we restarted)
         for room, phase in hb.rooms.items():
             if phase == wire.QUARANTINE_PHASE and room in self._closed:
                 snd = self._closed[room][1]

@@ -35,9 +35,9 @@ class CausalLM(nn.Module):
 
     - `__init__(arch: ArchConfig)` builds the module with uninitialised weights.
     - `forward(batch, kv)` computes the new tokens of `batch`; for every layer it first
-      writes their K and V into `kv.k_cache(layer)` / `kv.v_cache(layer)` at
-      (`batch.write_pages`, `batch.write_offsets`), then attends over the keys at
-      (`batch.read_pages`, `batch.read_offsets`) under `batch.attn_mask`.
+      writes their K and V into the pool (`kv.write(layer, ...)` at `batch.write_pages`,
+      `batch.write_offsets`), then attends over the pages of `batch.page_table`
+      (`kv.gather(layer, ...)`) under `batch.attn_mask`.
       It returns float32 logits [B, vocab] for the rows in `batch.logits_index`.
     - `load_weights(named)` takes (HF-style name, tensor) pairs, already un-permuted.
     """

@@ -103,20 +103,22 @@ class AttnMeta:
     cos: torch.Tensor         # [T, 1, D]
     sin: torch.Tensor         # [T, 1, D]
     mask: torch.Tensor        # [B, 1, max_q, max_kv] bool; every row has at least one True
-    q_index: torch.Tensor     # [B, max_q]
-    q_valid: torch.Tensor     # [B, max_q]
-    out_rows: torch.Tensor    # [T] row in T of each valid padded query, in q_valid order
+    q_index: torch.Tensor     # [B, max_q] row in T of each padded query
+    row_slot: torch.Tensor    # [T] slot in the flattened [B * max_q] padded queries of each row
     batch: ForwardBatch
 
     @classmethod
     def build(cls, batch: ForwardBatch, rope: RotaryEmbedding, dtype: torch.dtype) -> "AttnMeta":
         cos, sin = rope.cos_sin(batch.positions, dtype)
         # A padded query row would be fully masked, and softmax over nothing is NaN: let it
-        # see key 0. Its output is never scattered back, so real rows are unaffected.
+        # see key 0. Its output is never gathered back, so real rows are unaffected.
         pad_rows = torch.zeros_like(batch.attn_mask)
         pad_rows[:, 0, :, 0] = ~batch.q_valid
         mask = batch.attn_mask | pad_rows
-        return cls(cos, sin, mask, batch.q_index, batch.q_valid, batch.q_index[batch.q_valid], batch)
+        # Inverse of q_index over the valid slots, so each layer un-pads with one gather.
+        slots = batch.q_valid.flatten().nonzero().squeeze(1)
+        row_slot = torch.empty_like(slots).index_copy_(0, batch.q_index.flatten()[slots], slots)
+        return cls(cos, sin, mask, batch.q_index, row_slot, batch)
 
 
 class PagedAttention(nn.Module):
@@ -131,19 +133,30 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta, kv) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (RoPE applied) -> [T, Hq * D]."""
         b = meta.batch
-        k_cache, v_cache = kv.k_cache(self.layer), kv.v_cache(self.layer)
         # Written before the read, so this pass's tokens see their own keys.
-        k_cache[b.write_pages, b.write_offsets] = k.to(k_cache.dtype)
-        v_cache[b.write_pages, b.write_offsets] = v.to(v_cache.dtype)
+        kv.write(self.layer, b.write_pages, b.write_offsets, k, v)
+        queries = q[meta.q_index]                                      # [B, max_q, Hq, D]
         if b.no_prefix:
             keys, values = k[meta.q_index], v[meta.q_index]            # [B, max_q, Hkv, D]
+            mask = meta.mask[..., : keys.shape[1]]
         else:
-            keys = k_cache[b.read_pages, b.read_offsets].to(q.dtype)   # [B, max_kv, Hkv, D]
-            values = v_cache[b.read_pages, b.read_offsets].to(q.dtype)
-        queries = q[meta.q_index]                                      # [B, max_q, Hq, D]
+            keys, values = kv.gather(self.layer, b.page_table)         # [B, max_kv, Hkv, D]
+            keys, values, mask = keys.to(q.dtype), values.to(q.dtype), meta.mask
+        if queries.shape[1] == 1:
+            return self._single_query(queries, keys, values, mask)
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=meta.mask, enable_gqa=self.num_heads != self.num_kv_heads)
-        out = out.transpose(1, 2)[meta.q_valid]                        # [T, Hq, D]
-        flat = out.reshape(out.shape[0], self.num_heads * self.head_dim)
-        return torch.empty_like(flat).index_copy_(0, meta.out_rows, flat)
+            attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)  # [B * max_q, Hq * D]
+        return out[meta.row_slot]
+
+    def _single_query(self, queries, keys, values, mask) -> torch.Tensor:
+        """Decode: one query per sequence, as two batched matmuls (far cheaper on CPU than
+        the flash kernel for q_len 1). Query head h reads kv head h // group."""
+        B, group = queries.shape[0], self.num_heads // self.num_kv_heads
+        q4 = queries.view(B, self.num_kv_heads, group, self.head_dim)
+        scores = torch.matmul(q4, keys.permute(0, 2, 3, 1)).float()   # [B, Hkv, G, max_kv]
+        scores.mul_(self.head_dim ** -0.5).masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values.transpose(1, 2))              # [B, Hkv, G, D]
+        return out.reshape(B, self.num_heads * self.head_dim)

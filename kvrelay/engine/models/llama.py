@@ -1,8 +1,8 @@
 """The Llama family: Llama 2/3 (and SmolLM2), Mistral without sliding window, Qwen2.
 
-Parameter names follow Hugging Face except two fused matmuls: `qkv_proj` holds q, k, v
-rows in that order and `mlp.gate_up_proj` holds gate then up rows; `load_weights` maps the
-HF names onto their slices.
+Parameter names follow Hugging Face except two fused matmuls: `self_attn.qkv_proj` holds
+q, k, v rows in that order and `mlp.gate_up_proj` holds gate then up rows; `load_weights`
+maps the HF names onto their row slices.
 """
 from __future__ import annotations
 
@@ -12,14 +12,9 @@ from torch import nn
 
 from kvrelay.engine.forward import ForwardBatch
 from kvrelay.engine.models.base import MODELS, ArchConfig, CausalLM, ModelLoadError
-from kvrelay.engine.models.layers import AttnMeta, PagedAttention, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope
+from kvrelay.engine.models.layers import (AttnMeta, PagedAttention, RMSNorm, RotaryEmbedding, SwiGLU,
+                                          apply_rope)
 
-# HF name fragment -> (fused parameter fragment, shard). Shards are laid out in the order
-# returned by `_shard_sizes`.
-_FUSED = {
-    ".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"), ".v_proj.": (".qkv_proj.", "v"),
-    ".gate_proj.": (".gate_up_proj.", "gate"), ".up_proj.": (".gate_up_proj.", "up"),
-}
 # Checkpoint entries that hold no weight of ours.
 _IGNORED = ("rotary_emb.inv_freq",)
 
@@ -33,7 +28,8 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.hq, self.hkv, self.d, layer)
 
     def forward(self, x: torch.Tensor, meta: AttnMeta, kv) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        kv_width = self.hkv * self.d
+        q, k, v = self.qkv_proj(x).split([self.hq * self.d, kv_width, kv_width], dim=-1)
         q = apply_rope(q.view(-1, self.hq, self.d), meta.cos, meta.sin)
         k = apply_rope(k.view(-1, self.hkv, self.d), meta.cos, meta.sin)
         return self.o_proj(self.attn(q, k, v.view(-1, self.hkv, self.d), meta, kv))
@@ -56,23 +52,27 @@ class LlamaModel(nn.Module):
     def __init__(self, arch: ArchConfig, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, qkv_bias, o_bias) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, qkv_bias, o_bias)
+                                    for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
 @MODELS.register("LlamaForCausalLM")
 class LlamaForCausalLM(CausalLM):
-    qkv_bias_always = False  # Qwen2 has q/k/v bias whatever the config says
+    # `arch.attention_bias` puts a bias on q, k, v and o in Llama, on q, k, v only in Qwen2.
+    o_proj_bias = True
 
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
         self.arch = arch
-        qkv_bias = self.qkv_bias_always or arch.attention_bias
-        o_bias = arch.attention_bias and not self.qkv_bias_always
+        qkv_bias = arch.attention_bias
+        o_bias = arch.attention_bias and self.o_proj_bias
         self.model = LlamaModel(arch, qkv_bias, o_bias)
         # Tied: the head reads embed_tokens.weight, so no second parameter can drift from it.
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
+        self.lm_head = (None if arch.tie_word_embeddings
+                        else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
+                                      arch.rope_scaling)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
@@ -84,33 +84,30 @@ class LlamaForCausalLM(CausalLM):
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, head).float()
 
-    def _shard_sizes(self, fused: str) -> dict[str, int]:
+    def _fused_slices(self) -> dict[str, tuple[str, int, int]]:
+        """HF projection name -> (our fused projection, first row, row count)."""
         a = self.arch
-        if fused == ".qkv_proj.":
-            q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-            return {"q": q, "k": kv, "v": kv}
-        return {"gate": a.intermediate_size, "up": a.intermediate_size}
-
-    def _target(self, name: str) -> tuple[str, int, int]:
-        """Our parameter name and the row range [start, start + rows) an HF tensor fills."""
-        for frag, (fused, shard) in _FUSED.items():
-            if frag in name:
-                sizes = self._shard_sizes(fused)
-                return name.replace(frag, fused), _offset(sizes, shard), sizes[shard]
-        return name, 0, -1
+        q, kv, i = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
+        return {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv),
+                "v_proj": ("qkv_proj", q + kv, kv),
+                "gate_proj": ("gate_up_proj", 0, i), "up_proj": ("gate_up_proj", i, i)}
 
     @torch.no_grad()
     def load_weights(self, named) -> None:
-        params = dict(self.named_parameters())
+        params, slices = dict(self.named_parameters()), self._fused_slices()
         filled: dict[str, int] = {}
         for name, tensor in named:
             if name.endswith(_IGNORED) or (name == "lm_head.weight" and self.lm_head is None):
                 continue
-            target, start, rows = self._target(name)
+            parts = name.split(".")
+            target, start, rows = name, 0, None
+            if len(parts) >= 2 and parts[-2] in slices:
+                fused, start, rows = slices[parts[-2]]
+                target = ".".join([*parts[:-2], fused, parts[-1]])
             if target not in params:
                 raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}; "
                                      "is the architecture in config.json right?")
-            dest = params[target] if rows < 0 else params[target][start:start + rows]
+            dest = params[target] if rows is None else params[target][start:start + rows]
             if dest.shape != tensor.shape:
                 raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected "
                                      f"{tuple(dest.shape)}: the checkpoint does not match its config")
@@ -122,15 +119,6 @@ class LlamaForCausalLM(CausalLM):
                                  "the file is incomplete or not a checkpoint of this architecture")
 
 
-def _offset(sizes: dict[str, int], shard: str) -> int:
-    start = 0
-    for name, n in sizes.items():
-        if name == shard:
-            return start
-        start += n
-    raise KeyError(shard)
-
-
 @MODELS.register("MistralForCausalLM")
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral without sliding window: the loader caps the context at the window instead."""
@@ -138,4 +126,5 @@ class MistralForCausalLM(LlamaForCausalLM):
 
 @MODELS.register("Qwen2ForCausalLM")
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    qkv_bias_always = True
+    """Qwen2: q/k/v bias (the loader sets `attention_bias` for it), no sliding window."""
+    o_proj_bias = False

@@ -47,7 +47,8 @@ def make_tiny_model_dir(path, arch: str = "llama", seed: int = 0, **overrides) -
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = default_tokenizer()
-    cfg = getattr(transformers, _CONFIG_CLASSES[arch])(**tiny_config_kwargs(arch, len(tokenizer), **overrides))
+    config_class = getattr(transformers, _CONFIG_CLASSES[arch])
+    cfg = config_class(**tiny_config_kwargs(arch, len(tokenizer), **overrides))
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg)

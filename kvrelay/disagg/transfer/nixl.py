@@ -1,0 +1,177 @@
+"""`nixl`: one-sided RDMA-style writes through NVIDIA NIXL's UCX backend, on DRAM.
+
+Each worker owns one NIXL agent (named after its incarnation) and registers its KV pool
+with it. The agent's metadata and the pool's address travel in the bootstrap endpoint, so
+no NIXL listener or metadata server is needed. P posts one WRITE per room (every page run
+as one descriptor) and polls it from progress(); the common code sends Aux once the WRITE
+reports DONE, which for UCX means the bytes are visible in D's memory.
+
+Invariants:
+- Nothing here blocks: posting and state checks return at once; no progress thread runs
+  (it would burn a core while idle), so progress() pumps the agent on both sides.
+- write_cancel() is True only once the WRITE has reached DONE or ERR: a transfer in
+  flight may still land, so D's quarantine holds until then (Stopped is honest).
+- The pool's memory outlives its registration (the manager keeps both until close).
+`nixl` is an optional dependency: import this module only when the backend is chosen.
+"""
+from __future__ import annotations
+
+import base64
+import ctypes
+import logging
+import mmap
+import os
+
+# UCX's InfiniBand modules make processes crash at exit on hosts without IB; UCX reads
+# this when the first agent is created.
+os.environ.setdefault("UCX_MODULES", "^ib")
+
+from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
+
+from kvrelay.disagg.transfer.base import PeerInfo, WriteJob  # noqa: E402
+from kvrelay.disagg.transfer.common import CommonManager  # noqa: E402
+
+logging.getLogger("nixl").setLevel(logging.WARNING)
+
+
+class NixlManager(CommonManager):
+    name = "nixl"
+    one_sided = True
+
+    def __init__(self, layout, transfer=None, **kwargs) -> None:
+        super().__init__(layout, transfer, **kwargs)
+        self.agent_name = f"kvrelay-{self.worker_id}-{self.incarnation}"
+        self.agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=False,
+                                                                   backends=["UCX"]))
+        self._mem: mmap.mmap | None = None
+        self._base = 0
+        self._reg = None
+        self._remote: dict[str, tuple[str, int, int] | str] = {}  # peer address -> (agent, base, bytes) | error
+        self._handles: set = set()  # posted WRITEs not yet released
+        self._endpoint: dict | None = None
+
+    # ---- pool and endpoint ---------------------------------------------------------------
+    def allocate_pool(self, num_pages: int) -> memoryview:
+        if self.pool is not None:
+            raise RuntimeError("the KV pool is allocated once per worker")
+        nbytes = num_pages * self.layout.page_bytes
+        # Private anonymous memory on transparent huge pages where the kernel allows: UCX's
+        # cross-memory copies walk far fewer pages (about 1.5x faster than 4 KiB pages).
+        self._mem = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self._mem.madvise(mmap.MADV_HUGEPAGE)
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._mem))
+        self._reg = self.agent.register_memory([(self._base, max(nbytes, 1), 0, "")], "DRAM")
+        self.pool = memoryview(self._mem)[:nbytes]
+        self._endpoint = None
+        return self.pool
+
+    def endpoint(self) -> dict:
+        if self._endpoint is None:
+            md = self.agent.get_agent_metadata()  # includes the registered pool
+            self._endpoint = {"agent": self.agent_name, "metadata": base64.b64encode(md).decode(),
+                              "base": self._base, "bytes": len(self.pool or b"")}
+        return self._endpoint
+
+    def connect(self, peer: PeerInfo) -> None:
+        ep = peer.endpoint
+        if "metadata" not in ep:
+            return
+        try:
+            name = self.agent.add_remote_agent(base64.b64decode(ep["metadata"]))
+        except Exception as e:  # noqa: BLE001 - a bad peer fails its rooms, not this worker
+            self._remote[peer.address] = f"cannot add NIXL agent {ep.get('agent')}: {e}"
+            return
+        name = name.decode() if isinstance(name, bytes) else name
+        self._remote[peer.address] = (name, int(ep["base"]), int(ep["bytes"]))
+
+    def disconnect(self, peer: PeerInfo) -> None:
+        remote = self._remote.pop(peer.address, None)
+        if isinstance(remote, tuple):
+            try:
+                self.agent.remove_remote_agent(remote[0])
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+    def progress(self) -> None:
+        self.agent.get_new_notifs()  # drives UCX: connection set-up, target-side progress
+        super().progress()
+
+    # ---- P side ----------------------------------------------------------------------------
+    def write_start(self, job: WriteJob) -> None:
+        remote = self._remote.get(job.peer.address)
+        if not isinstance(remote, tuple):
+            job.fail(remote or "decode worker's NIXL agent is not connected")
+            return
+        agent_name, base, nbytes = remote
+        if any(d + n > nbytes for _, d, n in job.runs):
+            job.fail("destination pages lie outside the decode worker's pool")
+            return
+        if not job.runs:
+            job.finish()
+            return
+        try:
+            handle = self._post(job, agent_name, base)
+        except Exception as e:  # noqa: BLE001 - NIXL reports errors as exceptions
+            job.fail(f"NIXL write could not be posted: {e}")
+            return
+        job.handle = handle
+        self._settle(job, self.agent.transfer(handle))
+
+    def _post(self, job: WriteJob, agent_name: str, base: int):
+        local = self.agent.get_xfer_descs([(self._base + s, n, 0) for s, _, n in job.runs], "DRAM")
+        remote = self.agent.get_xfer_descs([(base + d, n, 0) for _, d, n in job.runs], "DRAM")
+        handle = self.agent.initialize_xfer("WRITE", local, remote, agent_name)
+        self._handles.add(handle)
+        return handle
+
+    def _settle(self, job: WriteJob, state: str) -> None:
+        """Record a WRITE's state on its job; release the handle once it is final."""
+        if state == "PROC":
+            return
+        self._release(job.handle)
+        job.handle = None
+        if state == "DONE":
+            job.finish()
+        else:
+            job.fail(f"NIXL write ended in {state}")
+
+    def _release(self, handle) -> None:
+        self._handles.discard(handle)
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception:  # noqa: BLE001 - the agent keeps it and retries at teardown
+            pass
+
+    def write_progress(self, job: WriteJob) -> None:
+        if job.handle is not None and job.handle in self._handles:
+            self._settle(job, self.agent.check_xfer_state(job.handle))
+
+    def write_cancel(self, job: WriteJob) -> bool:
+        handle = job.handle
+        if handle is None or handle not in self._handles:
+            return True
+        state = self.agent.check_xfer_state(handle)
+        if state == "PROC":
+            return False  # may still land: D keeps the pages quarantined
+        self._release(handle)
+        job.handle = None
+        return True
+
+    # ---- teardown --------------------------------------------------------------------------
+    def close_backend(self) -> None:
+        for handle in list(self._handles):
+            self._release(handle)
+        for address in list(self._remote):
+            remote = self._remote.pop(address)
+            if isinstance(remote, tuple):
+                try:
+                    self.agent.remove_remote_agent(remote[0])
+                except Exception:  # noqa: BLE001
+                    pass
+        if self._reg is not None:
+            self.agent.deregister_memory(self._reg)
+            self._reg = None
+        self.pool = None
+        self.agent = None  # the agent and its UCX worker go with the last reference
+        # self._mem stays mapped while views exported by allocate_pool() live

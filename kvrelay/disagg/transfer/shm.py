@@ -1,0 +1,133 @@
+"""`shm`: one host, one-sided. Every worker's KV pool is a POSIX shared-memory segment named
+after its incarnation; the bootstrap endpoint publishes that name, P attaches D's segment
+and copies its source runs straight into D's pages.
+
+Invariants:
+- A write is a plain memcpy per page run, done synchronously in write_start by the
+  scheduler thread, so nothing is ever in flight between two calls: a cancelled job has
+  stopped (write_cancel is always True) and its Stopped is honest. (One copy is not split
+  across iterations: glibc copies one large run faster than several pieces, and a
+  256 MiB copy stalls the loop less than the prefill that produced it.)
+- D unlinks its segment on close(); the creating process's resource tracker unlinks it if
+  the process dies first. An attaching P never registers the segment (it does not own it).
+"""
+from __future__ import annotations
+
+import os
+from multiprocessing import resource_tracker, shared_memory
+
+from kvrelay.disagg.transfer.base import PeerInfo, WriteJob
+from kvrelay.disagg.transfer.common import CommonManager
+
+SEGMENT_PREFIX = "kvrelay_"
+
+
+_CREATED: set[str] = set()  # segments this process created (and its resource tracker owns)
+
+
+def create_segment(name: str, nbytes: int) -> shared_memory.SharedMemory:
+    seg = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
+    _CREATED.add(seg.name)
+    return seg
+
+
+def attach_segment(name: str) -> shared_memory.SharedMemory:
+    """Map an existing segment. Python 3.11 registers every attach with the resource
+    tracker, which would unlink the owner's segment when this process exits: undo that,
+    unless this process is the owner (one registration serves both)."""
+    seg = shared_memory.SharedMemory(name=name)
+    if seg.name not in _CREATED:
+        resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+    return seg
+
+
+def close_segment(seg: shared_memory.SharedMemory) -> None:
+    """Unmap, or, while a view is still exported (the engine's KV tensor, a test's
+    memoryview), leave the mapping to die with its last view; the fd is closed either way."""
+    try:
+        seg.close()
+    except BufferError:
+        # SharedMemory.close() stopped at the mmap; finish its work without the unmap so
+        # that __del__ does not retry and warn.
+        seg._mmap = None  # type: ignore[attr-defined]
+        if seg._fd >= 0:  # type: ignore[attr-defined]
+            os.close(seg._fd)  # type: ignore[attr-defined]
+            seg._fd = -1  # type: ignore[attr-defined]
+
+
+def unlink_segment(seg: shared_memory.SharedMemory) -> None:
+    _CREATED.discard(seg.name)
+    seg.unlink()
+
+
+class ShmManager(CommonManager):
+    name = "shm"
+    one_sided = True
+
+    def __init__(self, layout, transfer=None, **kwargs) -> None:
+        super().__init__(layout, transfer, **kwargs)
+        self.segment: shared_memory.SharedMemory | None = None
+        self._attached: dict[str, shared_memory.SharedMemory | str] = {}  # peer address -> segment | error
+
+    # ---- pool and endpoint ---------------------------------------------------------------
+    def allocate_pool(self, num_pages: int) -> memoryview:
+        if self.pool is not None:
+            raise RuntimeError("the KV pool is allocated once per worker")
+        nbytes = num_pages * self.layout.page_bytes
+        self.segment = create_segment(SEGMENT_PREFIX + self.incarnation, nbytes)
+        self.pool = self.segment.buf[:nbytes]
+        return self.pool
+
+    def endpoint(self) -> dict:
+        if self.segment is None:
+            return {}
+        return {"segment": self.segment.name, "bytes": len(self.pool or b"")}
+
+    def connect(self, peer: PeerInfo) -> None:
+        name = peer.endpoint.get("segment")
+        if not name:
+            return  # a peer without a pool is never written to
+        try:
+            seg = attach_segment(name)
+        except OSError as e:  # not on this host, or already gone
+            self._attached[peer.address] = f"cannot attach shm segment {name}: {e}"
+            return
+        if seg.size < int(peer.endpoint.get("bytes", 0)):
+            close_segment(seg)
+            self._attached[peer.address] = f"shm segment {name} is smaller than advertised"
+            return
+        self._attached[peer.address] = seg
+
+    def disconnect(self, peer: PeerInfo) -> None:
+        seg = self._attached.pop(peer.address, None)
+        if isinstance(seg, shared_memory.SharedMemory):
+            close_segment(seg)
+
+    # ---- P side ----------------------------------------------------------------------------
+    def write_start(self, job: WriteJob) -> None:
+        seg = self._attached.get(job.peer.address)
+        if not isinstance(seg, shared_memory.SharedMemory):
+            job.fail(seg or "decode worker's shm segment is not attached")
+            return
+        src, dst = self.pool, seg.buf
+        if src is None or any(d + n > len(dst) for _, d, n in job.runs):
+            job.fail("destination pages lie outside the decode worker's segment")
+            return
+        for s, d, n in job.runs:
+            dst[d:d + n] = src[s:s + n]
+        job.finish()
+
+    def write_cancel(self, job: WriteJob) -> bool:
+        return True  # every copy completes inside write_start: nothing is ever in flight
+
+    # ---- teardown --------------------------------------------------------------------------
+    def close_backend(self) -> None:
+        for address in list(self._attached):
+            seg = self._attached.pop(address)
+            if isinstance(seg, shared_memory.SharedMemory):
+                close_segment(seg)
+        if self.segment is not None:
+            self.pool = None
+            close_segment(self.segment)
+            unlink_segment(self.segment)
+            self.segment = None

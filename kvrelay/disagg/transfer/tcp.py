@@ -1,0 +1,92 @@
+"""`tcp`: any host, two-sided, over the control channel's zmq sockets.
+
+P sends the KV as TcpKV messages: a JSON header naming (room, epoch, a run of consecutive
+destination pages) and one raw frame holding those pages' bytes, a zero-copy view of P's
+pool. Aux follows on the same
+socket, so it arrives after every KV message. D copies a frame into its pool only if
+(room, epoch) still owns every destination page at that moment; otherwise the frame is
+dropped, so a late or foreign frame never lands.
+
+Invariants:
+- A message carries at most CHUNK_BYTES (whole pages), so D checks ownership per chunk
+  and zmq never needs one huge receive buffer.
+- P's source pages stay pinned until ack or a terminal failure (the lifecycle's rule), so
+  a zero-copy frame never reads pages of another request while the room is live; after a
+  failure, whatever bytes still go out are dropped by D's ownership check.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvrelay.disagg import wire
+from kvrelay.disagg.channel import Received
+from kvrelay.disagg.transfer.base import WriteJob
+from kvrelay.disagg.transfer.common import CommonManager
+
+CHUNK_BYTES = 1 << 20
+
+
+@wire.message("TcpKV")
+@dataclass(frozen=True)
+class TcpKV(wire.Message):
+    """P -> D data header; one raw frame follows: the bytes of destination pages
+    first_page .. first_page + num_pages - 1."""
+    room: int
+    epoch: int
+    first_page: int
+    num_pages: int
+
+    @property
+    def dst_pages(self) -> range:
+        return range(self.first_page, self.first_page + self.num_pages)
+
+
+def chunks(runs: list[tuple[int, int, int]], page_bytes: int, limit: int) -> list[tuple[int, int, int]]:
+    """Split (src off, dst off, len) runs into pieces of at most `limit` bytes (at least
+    one page), cut at page boundaries."""
+    step = max(page_bytes, limit - limit % page_bytes)
+    return [(s + k, d + k, min(step, n - k)) for s, d, n in runs for k in range(0, n, step)]
+
+
+class TcpManager(CommonManager):
+    name = "tcp"
+    one_sided = False
+    dropped_frames = 0  # KV messages refused by the ownership check or malformed (a counter)
+
+    # ---- P side ----------------------------------------------------------------------------
+    def write_start(self, job: WriteJob) -> None:
+        job.handle = deque(chunks(job.runs, self.layout.page_bytes, CHUNK_BYTES))
+        self.write_progress(job)
+
+    def write_progress(self, job: WriteJob) -> None:
+        """Queue as many chunks as the socket takes now; the rest waits for the next call."""
+        pending, src, pb = job.handle, self.pool, self.layout.page_bytes
+        if not isinstance(pending, deque) or src is None:
+            return
+        while pending:
+            s, d, n = pending[0]
+            header = TcpKV(job.room, job.epoch, d // pb, n // pb)
+            if not self.channel.send(job.peer.address, header, [src[s:s + n]]):
+                return  # socket full (high-water mark): retry on the next progress()
+            pending.popleft()
+        job.handle = None
+        job.finish()
+
+    def write_cancel(self, job: WriteJob) -> bool:
+        job.handle = None
+        return True  # two-sided: D's ownership check stops anything already queued
+
+    # ---- D side ----------------------------------------------------------------------------
+    def on_data(self, received: Received) -> None:
+        msg = received.msg
+        if not isinstance(msg, TcpKV) or self.pool is None:
+            return
+        pb, pages = self.layout.page_bytes, msg.dst_pages
+        data = memoryview(received.frames[0]) if len(received.frames) == 1 else memoryview(b"")
+        malformed = msg.num_pages <= 0 or len(data) != len(pages) * pb or pages.stop * pb > len(self.pool)
+        if malformed or not self.owner_ok(msg.room, msg.epoch, pages):
+            self.dropped_frames += 1  # late, foreign or partial bytes never land
+            return
+        self.pool[pages.start * pb:pages.stop * pb] = data
+        self.mark_landed(msg.room, msg.epoch, pages)

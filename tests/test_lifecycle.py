@@ -1,0 +1,93 @@
+"""The pure state machines and leases under a SimClock (no transfer backend)."""
+from __future__ import annotations
+
+import pytest
+
+from kvrelay.core.clock import SimClock
+from kvrelay.disagg import wire
+from kvrelay.disagg.lease import Leases
+from kvrelay.disagg.lifecycle import (D_TRANSITIONS, P_TRANSITIONS, DPhase, Lifecycle, PPhase,
+                                      TransitionError, d_deadlines, p_deadlines, timeout)
+from disagg_helpers import CFG
+
+
+def make_p(clock):
+    return Lifecycle("prefill", PPhase, P_TRANSITIONS, p_deadlines(CFG), clock)
+
+
+def test_terminal_phases_come_last_and_have_no_exits():
+    for phases, table in ((PPhase, P_TRANSITIONS), (DPhase, D_TRANSITIONS)):
+        live = [p for p in phases if p in table]
+        terminal = [p for p in phases if p not in table]
+        assert max(live) < min(terminal)
+        assert {p.name for p in terminal} == {"DONE", "FAILED", "ABORTED"}
+        for p in live:
+            assert {phases.FAILED, phases.ABORTED} <= table[p]
+
+
+def test_happy_path_and_illegal_moves():
+    clock = SimClock()
+    lc = make_p(clock)
+    lc.add(1, "a")
+    with pytest.raises(TransitionError):
+        lc.move(1, PPhase.TRANSFER)
+    for ph in (PPhase.QUEUED, PPhase.PREFILL, PPhase.TRANSFER):
+        lc.move(1, ph)
+    ev = lc.end(1, PPhase.DONE)
+    assert (ev.phase, ev.from_phase, ev.reason) == ("done", "transfer", None)
+    assert lc.rooms == {} and lc.phase_counts() == {"bootstrap": 0, "queued": 0, "prefill": 0, "transfer": 0}
+    lc.add(2, "b")
+    with pytest.raises(ValueError):
+        lc.add(2, "b")
+
+
+def test_every_non_terminal_phase_has_its_deadline():
+    clock = SimClock()
+    lc = make_p(clock)
+    lc.add(1, "a")
+    lc.add(2, "b")
+    lc.move(2, PPhase.QUEUED)
+    clock.advance(CFG.bootstrap_timeout - 0.01)
+    assert lc.expired() == []
+    clock.advance(0.01)
+    assert [r.room for r in lc.expired()] == [1]   # the watchdog sees every room, not one queue
+    clock.advance(CFG.queue_timeout)
+    assert sorted(r.room for r in lc.expired()) == [1, 2]
+    lc.move(2, PPhase.PREFILL)
+    assert lc.rooms[2].deadline is None             # bounded by compute
+    assert timeout(PPhase.QUEUED) == "timeout:queued"
+    d = d_deadlines(CFG)
+    assert d[DPhase.BOOTSTRAP] and d[DPhase.WAITING] and DPhase.DECODE in d
+
+
+def test_counts_ages_and_events():
+    clock = SimClock()
+    seen = []
+    lc = Lifecycle("decode", DPhase, D_TRANSITIONS, d_deadlines(CFG), clock, on_terminal=seen.append)
+    lc.add(1, "a", peer="tcp://p")
+    clock.advance(2)
+    lc.add(2, "b")
+    assert lc.phase_counts()["bootstrap"] == 2 and lc.oldest_age() == 2
+    ev = lc.end(1, DPhase.ABORTED, "aborted", "client left")
+    assert seen == [ev] and lc.terminal_counts[("aborted", "aborted")] == 1
+    row = lc.row(lc.rooms[2], "waiting")
+    assert row["phase"] == "bootstrap" and row["deadline_in"] == CFG.bootstrap_timeout
+
+
+def hb(seq, inc="i1", rooms=None):
+    return wire.Heartbeat("w", inc, seq, rooms or {})
+
+
+def test_leases_death_restart_and_stale():
+    clock = SimClock()
+    leases = Leases(CFG, clock)
+    leases.expect("a")
+    clock.advance(CFG.heartbeat_interval * CFG.heartbeat_misses - 0.01)
+    assert leases.dead() == []
+    assert leases.on_heartbeat("a", hb(5, rooms={1: "queued"})) == "ok"
+    assert leases.on_heartbeat("a", hb(4)) == "stale"          # reordered: ignored
+    assert leases.peers["a"].rooms == {1: "queued"}
+    clock.advance(CFG.heartbeat_interval * CFG.heartbeat_misses)
+    assert leases.dead() == ["a"]
+    assert leases.on_heartbeat("a", hb(1, inc="i2")) == "restarted"
+    assert leases.dead() == [] and leases.peers["a"].incarnation == "i2"

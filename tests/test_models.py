@@ -1,0 +1,219 @@
+"""Logits parity with transformers: the default GGUF model and tiny random Llama, Qwen2 and
+Mistral models, over batched prefill (prompts of different lengths in one ForwardBatch),
+chunked prefill and decode steps through the paged KV pool."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvrelay.core.config import ModelOptions
+from kvrelay.core.kvlayout import KVLayout
+from kvrelay.engine.allocator import PageAllocator
+from kvrelay.engine.kv_pool import KVPool
+from kvrelay.engine.loader import default_gguf_path, load_model
+from kvrelay.engine.models.testing import make_tiny_model_dir
+from kvrelay.engine.runner import SeqChunk, build_forward_batch
+
+TOL = 1e-3
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+class PagedSession:
+    """Sequences over a small paged pool. Pages are handed out one per sequence in turn,
+    so every sequence's pages are scattered, not contiguous."""
+
+    def __init__(self, loaded, page_size: int = 4, num_pages: int = 64) -> None:
+        a = loaded.arch
+        self.model, self.page_size = loaded.model, page_size
+        self.kv = KVPool(KVLayout("t", loaded.dtype, page_size, a.num_layers, a.num_kv_heads, a.head_dim),
+                         num_pages)
+        self.alloc = PageAllocator(num_pages)
+        self.seqs: list[list[int]] = []
+
+    def add(self, prompts: list[list[int]], reserve: int) -> None:
+        self.seqs = [list(p) for p in prompts]
+        need = [-(-(len(p) + reserve) // self.page_size) for p in prompts]
+        for round_ in range(max(need)):
+            for b, n in enumerate(need):
+                if round_ < n:
+                    assert self.alloc.allocate(1, b) is not None
+
+    def run(self, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """Each (seq, tokens) appends tokens to seq in one forward pass; logits [B, vocab]."""
+        batch = [SeqChunk(toks, len(self.seqs[b]) - len(toks), self.alloc.pages_of(b)) for b, toks in chunks]
+        return self.model(build_forward_batch(batch, self.page_size), self.kv)
+
+    def prefill(self, prompts, reserve: int) -> torch.Tensor:
+        self.add(prompts, reserve)
+        return self.run(list(enumerate(self.seqs)))
+
+    def decode(self, tokens: list[int]) -> torch.Tensor:
+        for b, t in enumerate(tokens):
+            self.seqs[b].append(t)
+        return self.run([(b, [t]) for b, t in enumerate(tokens)])
+
+    def close(self) -> None:
+        for owner in self.alloc.owners():
+            self.alloc.free(owner)
+        self.alloc.check_integrity()
+        assert self.alloc.num_free == self.kv.num_pages
+
+
+@torch.no_grad()
+def reference_last_logits(hf, seqs: list[list[int]]) -> torch.Tensor:
+    return torch.stack([hf(torch.tensor([s])).logits[0, -1].float() for s in seqs])
+
+
+def check_prefill_and_decode(loaded, hf, prompts, steps: int = 3, page_size: int = 4) -> None:
+    sess = PagedSession(loaded, page_size)
+    try:
+        ours = sess.prefill(prompts, reserve=steps)
+        ref = reference_last_logits(hf, sess.seqs)
+        assert ours.dtype == torch.float32 and ours.shape == ref.shape
+        assert (ours - ref).abs().max().item() < TOL
+        for _ in range(steps):
+            ours = sess.decode(ref.argmax(-1).tolist())
+            ref = reference_last_logits(hf, sess.seqs)
+            assert (ours - ref).abs().max().item() < TOL
+    finally:
+        sess.close()
+
+
+def random_prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+# ------------------------------------------------------------------ tiny random models
+
+TINY_CASES = {
+    "llama": dict(arch="llama"),
+    "llama-tied-mha": dict(arch="llama", num_key_value_heads=4, tie_word_embeddings=True),
+    "llama3-rope": dict(arch="llama", rope_scaling=LLAMA3_ROPE, rope_theta=500000.0),
+    "linear-rope": dict(arch="llama", rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "qwen2": dict(arch="qwen2"),
+    "mistral": dict(arch="mistral"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_CASES))
+def tiny_pair(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    d = make_tiny_model_dir(tmp_path_factory.mktemp(request.param), seed=1, **TINY_CASES[request.param])
+    loaded = load_model(ModelOptions(model=str(d), dtype="float32"))
+    hf = AutoModelForCausalLM.from_pretrained(str(d), local_files_only=True, dtype=torch.float32).eval()
+    return loaded, hf
+
+
+def test_tiny_prefill_batch_and_decode_match_transformers(tiny_pair):
+    loaded, hf = tiny_pair
+    prompts = random_prompts(loaded.arch.vocab_size, [5, 17, 1, 9, 70])
+    check_prefill_and_decode(loaded, hf, prompts, steps=3)
+
+
+def test_tiny_logits_are_not_trivially_small(tiny_pair):
+    # Parity at 1e-3 means something only if the logits themselves are O(1).
+    loaded, hf = tiny_pair
+    ref = reference_last_logits(hf, random_prompts(loaded.arch.vocab_size, [8]))
+    assert ref.std().item() > 0.1
+
+
+def test_chunked_prefill_and_mixed_batch(tiny_pair):
+    """A prompt prefilled in two chunks (the second reads the first's KV from the pool) in
+    the same pass as another sequence's decode step."""
+    loaded, hf = tiny_pair
+    a, b = random_prompts(loaded.arch.vocab_size, [23, 6], seed=3)
+    sess = PagedSession(loaded, page_size=8)
+    try:
+        sess.add([a[:10], b], reserve=20)
+        sess.run([(0, a[:10]), (1, b)])
+        sess.seqs[0] += a[10:]
+        sess.seqs[1].append(7)
+        ours = sess.run([(0, a[10:]), (1, [7])])
+        ref = reference_last_logits(hf, sess.seqs)
+        assert (ours - ref).abs().max().item() < TOL
+    finally:
+        sess.close()
+
+
+def test_fully_masked_padding_rows_do_not_leak_nan(tiny_pair):
+    loaded, _ = tiny_pair
+    prompts = random_prompts(loaded.arch.vocab_size, [3, 12])
+    sess = PagedSession(loaded)
+    try:
+        sess.add(prompts, reserve=0)
+        chunks = [SeqChunk(p, 0, sess.alloc.pages_of(b)) for b, p in enumerate(prompts)]
+        batch = build_forward_batch(chunks, sess.page_size)
+        expected = loaded.model(batch, sess.kv)
+        # Strip the builder's own guard: padded query rows now attend to nothing.
+        mask = batch.attn_mask & batch.q_valid[:, None, :, None]
+        for no_prefix in (True, False):
+            out = loaded.model(dataclasses.replace(batch, attn_mask=mask, no_prefix=no_prefix), sess.kv)
+            assert torch.isfinite(out).all()
+            assert (out - expected).abs().max().item() < 1e-4
+    finally:
+        sess.close()
+
+
+def test_bfloat16_model_follows_float32(tiny_llama_dir):
+    prompts = random_prompts(49152, [7, 4])
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        loaded = load_model(ModelOptions(model=str(tiny_llama_dir), dtype=dtype))
+        assert next(loaded.model.parameters()).dtype == getattr(torch, dtype)
+        sess = PagedSession(loaded)
+        try:
+            logits[dtype] = sess.prefill(prompts, reserve=0)
+        finally:
+            sess.close()
+    assert logits["bfloat16"].dtype == torch.float32
+    assert (logits["bfloat16"] - logits["float32"]).abs().max().item() < 0.1
+
+
+# ------------------------------------------------------------------ the default model (GGUF)
+
+@pytest.fixture(scope="module")
+def default_pair():
+    return load_model(ModelOptions(dtype="float32")), hf_reference_from_gguf()
+
+
+def hf_reference_from_gguf():
+    """transformers' own GGUF conversion (name mapping, q/k un-permute) into its Llama.
+    Built on the meta device and assigned, since from_pretrained(gguf_file=...) needs
+    `accelerate`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = default_gguf_path()
+    cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf)["tensors"]
+    missing, unexpected = hf.load_state_dict(tensors, strict=False, assign=True)
+    assert missing == ["lm_head.weight"] and not unexpected  # tied to the embedding
+    hf.tie_weights()
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(cfg)  # its buffers are not in the state dict
+    return hf.eval()
+
+
+def test_default_model_prefill_batch_and_decode_match_transformers(default_pair):
+    loaded, hf = default_pair
+    texts = ["The capital of France is", "Hello",
+             "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+             "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"]
+    prompts = [loaded.tokenizer.encode(t) for t in texts]
+    check_prefill_and_decode(loaded, hf, prompts, steps=3, page_size=16)
+
+
+def test_default_model_says_paris(default_pair):
+    loaded, _ = default_pair
+    sess = PagedSession(loaded, page_size=16)
+    try:
+        logits = sess.prefill([loaded.tokenizer.encode("The capital of France is")], reserve=0)
+    finally:
+        sess.close()
+    assert loaded.tokenizer.decode(logits.argmax(-1)).strip() == "Paris"
