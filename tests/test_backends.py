@@ -197,6 +197,22 @@ def test_shm_segments_are_unlinked_on_close():
     assert shm_files() == before
 
 
+def test_shm_pool_larger_than_dev_shm_fails_loudly(monkeypatch):
+    if "shm" not in REAL:
+        pytest.fail("shm backend not under test")
+    from kvrelay.disagg.transfer import shm
+
+    class Tiny:
+        f_bavail, f_frsize = 1, 4096
+    monkeypatch.setattr(shm.os, "statvfs", lambda path: Tiny())
+    m = create_manager("shm", LAYOUT, TransferConfig(transfer_backend="shm"))
+    try:
+        with pytest.raises(RuntimeError, match="shm-size"):
+            m.allocate_pool(16)
+    finally:
+        m.close()
+
+
 def test_shm_unattachable_peer_fails_the_write():
     if "shm" not in REAL:
         pytest.fail("shm backend not under test")

@@ -6,6 +6,7 @@ proves that nothing is left behind.
 """
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -23,6 +24,7 @@ from kvrelay.engine.runner import ModelRunner, SeqChunk
 from kvrelay.engine.sampling import Sampler, SamplingState
 from kvrelay.engine.scheduler import PrefillItem, Scheduler, pages_for
 from kvrelay.engine.types import FinishReason, GenerateRequest, RequestRejected, StepOutput
+from kvrelay.obs.metrics import Snapshot, ServingMetrics
 
 log = logging.getLogger("kvrelay.engine")
 Sink = Callable[[StepOutput], None]
@@ -49,7 +51,9 @@ class EngineStats:
 
 class EngineCore:
     def __init__(self, loaded, kv_cfg: KVCacheConfig, sched_cfg: SchedulerConfig,
-                 clock: Clock | None = None, kv_buffer: memoryview | None = None) -> None:
+                 clock: Clock | None = None, kv_buffer: memoryview | None = None,
+                 metrics: ServingMetrics | None = None) -> None:
+        self.metrics = metrics
         self.loaded = loaded
         self.clock = clock or MonotonicClock()
         self.layout = kv_layout_for(loaded, kv_cfg.page_size)
@@ -60,6 +64,9 @@ class EngineCore:
         self.sampler = Sampler()
         self.max_model_len = min(sched_cfg.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.eos_ids = frozenset(loaded.eos_token_ids)
+        # The engine thread detokenizes with its own copy: a Rust tokenizer must not be
+        # used from two threads at once, and the server encodes on its event loop.
+        self._tokenizer = copy.deepcopy(loaded.tokenizer)
         self.stats = EngineStats()
         self._sinks: dict[str, Sink] = {}
         self._reqs: dict[str, Req] = {}
@@ -93,7 +100,7 @@ class EngineCore:
             raise RequestRejected(f"request id {greq.rid} is already live", param="rid")
         req = Req(greq.rid, list(greq.prompt_ids), greq.params, arrival=self.clock.now(), prefill_only=prefill_only)
         req.sampling = SamplingState(greq.params, req.prompt_ids)
-        req.detok = IncrementalDetokenizer(self.loaded.tokenizer, req.prompt_ids, greq.params.stop)
+        req.detok = IncrementalDetokenizer(self._tokenizer, req.prompt_ids, greq.params.stop)
         self._reqs[req.rid] = req
         self._sinks[req.rid] = sink
         self.scheduler.add(req)
@@ -170,6 +177,12 @@ class EngineCore:
         self.scheduler.finish(req, reason, error)
 
     def _emit(self, req: Req, out: StepOutput) -> None:
+        if out.token_ids and req.first_token_at is None:
+            req.first_token_at = self.clock.now()
+            if self.metrics:
+                self.metrics.ttft.labels(self.metrics.role).observe(req.first_token_at - req.arrival)
+        if req.status == ReqStatus.FINISHED and self.metrics:
+            self._record_finish(req)
         out.prompt_tokens = req.prompt_len
         out.completion_tokens = len(req.output_ids)
         if req.status == ReqStatus.FINISHED:
@@ -180,6 +193,34 @@ class EngineCore:
             sink = self._sinks.get(req.rid)
         if sink is not None:
             sink(out)
+
+    def _record_finish(self, req: Req) -> None:
+        m, reason = self.metrics, req.finish_reason
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            m.record_finish("success", reason.value)
+            if req.first_token_at is not None and len(req.output_ids) > 1:
+                m.tpot.labels(m.role).observe((self.clock.now() - req.first_token_at) / (len(req.output_ids) - 1))
+        elif reason == FinishReason.ABORT:
+            m.record_finish("aborted", "aborted")
+        else:
+            m.record_finish("failed", (req.error or "error").split(":", 1)[0])
+
+    # -- observability ---------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        now = self.clock.now()
+        return Snapshot(phases={"waiting": [now - r.arrival for r in self.scheduler.waiting],
+                                "running": [now - r.arrival for r in self.scheduler.running]},
+                        kv_pages_free=self.allocator.num_free, kv_pages_total=self.allocator.num_total)
+
+    def debug_rows(self) -> list[dict]:
+        now = self.clock.now()
+        rows = []
+        for phase, reqs in (("waiting", self.scheduler.waiting), ("running", self.scheduler.running)):
+            for r in reqs:
+                rows.append({"id": r.rid, "phase": phase, "age_s": round(now - r.arrival, 3),
+                             "prompt_tokens": r.prompt_len, "output_tokens": len(r.output_ids),
+                             "pages": len(r.pages), "preemptions": r.num_preemptions})
+        return rows
 
     # -- integrity -----------------------------------------------------------------------
     def check_idle(self) -> None:

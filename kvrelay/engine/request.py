@@ -20,6 +20,7 @@ class Req:
     prompt_ids: list[int]
     params: SamplingParams
     arrival: float = 0.0
+    first_token_at: float | None = None
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0          # tokens whose KV is in the pool
     pages: list[int] = field(default_factory=list)

@@ -1,23 +1,37 @@
 """`kvrelay serve --mode colocated`: one process loads the model and serves the API."""
 from __future__ import annotations
 
-import logging
+import asyncio
 
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.engine.engine import AsyncEngine, build_engine
 from kvrelay.engine.loader import load_model
+from kvrelay.obs.metrics import ServingMetrics
+from kvrelay.server.observe import observability_router
 from kvrelay.server.openai_api import build_openai_app
 from kvrelay.server.startup import load_with_progress, run_uvicorn, startup_line
+
+PHASES = ("waiting", "running")
+
+
+def colocated_app(engine: AsyncEngine):
+    """The API of one engine, with /metrics and /debug/requests."""
+    metrics = ServingMetrics("colocated", PHASES, lambda: engine.call(lambda core: core.snapshot(), timeout=10))
+    engine.core.metrics = metrics  # set before the first request is served
+
+    async def debug_rows() -> list[dict]:
+        return await asyncio.to_thread(engine.call, lambda core: core.debug_rows())
+
+    return build_openai_app(engine, extra_routes=[observability_router(metrics, debug_rows)])
 
 
 def serve_colocated(config: KVRelayConfig) -> None:
     loaded = load_with_progress(load_model, config.model)
-    engine: AsyncEngine = build_engine(loaded, config.kv, config.scheduler)
-    app = build_openai_app(engine)
+    engine = build_engine(loaded, config.kv, config.scheduler)
+    app = colocated_app(engine)
     srv = config.server
     print(startup_line("colocated", loaded, engine.core.capacity_tokens, f"http://{srv.host}:{srv.port}"), flush=True)
     try:
         run_uvicorn(app, srv)
     finally:
         engine.shutdown()
-        logging.getLogger("kvrelay").info("engine stopped")

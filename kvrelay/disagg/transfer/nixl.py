@@ -111,19 +111,18 @@ class NixlManager(CommonManager):
             job.finish()
             return
         try:
-            handle = self._post(job, agent_name, base)
+            local = self.agent.get_xfer_descs([(self._base + s, n, 0) for s, _, n in job.runs], "DRAM")
+            remote = self.agent.get_xfer_descs([(base + d, n, 0) for _, d, n in job.runs], "DRAM")
+            job.handle = self.agent.initialize_xfer("WRITE", local, remote, agent_name)
         except Exception as e:  # noqa: BLE001 - NIXL reports errors as exceptions
-            job.fail(f"NIXL write could not be posted: {e}")
+            job.fail(f"NIXL write could not be prepared: {e}")
             return
-        job.handle = handle
-        self._settle(job, self.agent.transfer(handle))
-
-    def _post(self, job: WriteJob, agent_name: str, base: int):
-        local = self.agent.get_xfer_descs([(self._base + s, n, 0) for s, _, n in job.runs], "DRAM")
-        remote = self.agent.get_xfer_descs([(base + d, n, 0) for _, d, n in job.runs], "DRAM")
-        handle = self.agent.initialize_xfer("WRITE", local, remote, agent_name)
-        self._handles.add(handle)
-        return handle
+        self._handles.add(job.handle)
+        try:
+            state = self.agent.transfer(job.handle)
+        except Exception as e:  # noqa: BLE001
+            state = f"ERR ({e})"
+        self._settle(job, state)
 
     def _settle(self, job: WriteJob, state: str) -> None:
         """Record a WRITE's state on its job; release the handle once it is final."""

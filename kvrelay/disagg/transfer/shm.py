@@ -20,12 +20,20 @@ from kvrelay.disagg.transfer.base import PeerInfo, WriteJob
 from kvrelay.disagg.transfer.common import CommonManager
 
 SEGMENT_PREFIX = "kvrelay_"
-
+SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory
 
 _CREATED: set[str] = set()  # segments this process created (and its resource tracker owns)
 
 
 def create_segment(name: str, nbytes: int) -> shared_memory.SharedMemory:
+    """A new segment of nbytes. Fails now, loudly, when /dev/shm cannot hold it: a sparse
+    segment larger than its filesystem would only fail later, with SIGBUS on first touch."""
+    if os.path.isdir(SHM_DIR):
+        st = os.statvfs(SHM_DIR)
+        if nbytes > st.f_bavail * st.f_frsize:
+            raise RuntimeError(f"{SHM_DIR} has {st.f_bavail * st.f_frsize} bytes free but the KV pool "
+                               f"needs {nbytes}: enlarge it (docker --shm-size) or use another "
+                               f"--transfer-backend")
     seg = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
     _CREATED.add(seg.name)
     return seg

@@ -1,0 +1,79 @@
+"""Helpers for tests that run kvrelay as real processes."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(*args: str, ready_timeout: float = 180.0):
+    """Start `python -m kvrelay serve ...` on a free port; yield its base URL; stop it."""
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "kvrelay", "serve", "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited with {proc.returncode}:\n{proc.stdout.read()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError("server did not become healthy")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def metric_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def gauge(samples, name: str, **labels) -> list[float]:
+    want = set(labels.items())
+    return [v for (n, ls), v in samples.items() if n == name and want <= set(ls)]
+
+
+def assert_no_leak(url: str, timeout: float = 10.0) -> None:
+    """Every phase gauge 0 and free pages == total pages (waiting briefly for aborts to land)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = metric_samples(url)
+        phases = gauge(s, "kvrelay_requests")
+        free, total = gauge(s, "kvrelay_kv_pages_free"), gauge(s, "kvrelay_kv_pages_total")
+        ok = phases and all(v == 0 for v in phases) and free and free == total
+        if ok:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"leak: phase gauges {phases}, free pages {free}, total pages {total}")
+        time.sleep(0.2)
