@@ -234,6 +234,20 @@ def print_table(rows: list[tuple[dict, dict | None]]) -> None:
         print(fmt_row(row, base))
 
 
+TARGET_RATIO = 0.8
+TARGET_SIZES = (16 * MIB, 256 * MIB)  # where bandwidth, not the Aux/Ack round trip, dominates
+
+
+def print_targets(rows: list[tuple[dict, dict | None]]) -> None:
+    for row, base in rows:
+        if base is None:
+            continue
+        ratios = {size: row[size] / base[size] for size in TARGET_SIZES}
+        verdict = "met" if all(r >= TARGET_RATIO for r in ratios.values()) else "MISSED"
+        shown = ", ".join(f"{s // MIB} MiB {r:.2f}x" for s, r in ratios.items())
+        print(f"target {row['name']} >= {TARGET_RATIO}x {base['name']}: {verdict} ({shown})")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backends", default="shm,tcp,nixl")
@@ -249,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         base, mine = measure_rows([label, name], [case, BACKEND_CASES[name]], args.quick)
         rows += [(base, None), (mine, base)]
     print_table(rows)
+    print_targets(rows)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,22 @@ import time
 
 import pytest
 
-from disagg_helpers import BACKENDS, LAYOUT, checksum, pattern
+from disagg_helpers import LAYOUT, checksum, pattern
 from kvrelay.core.config import TransferConfig
 from kvrelay.disagg import wire
-from kvrelay.disagg.transfer import create_manager
+from kvrelay.disagg.transfer import TRANSFER_BACKENDS, create_manager
 from kvrelay.disagg.transfer.base import TransferStatus as S
 
-REAL = [b for b in BACKENDS if b in ("shm", "tcp", "nixl")]
+
+def importable(name: str) -> bool:
+    try:
+        TRANSFER_BACKENDS.get(name)
+        return True
+    except ImportError:  # nixl is an optional extra
+        return False
+
+
+REAL = [b for b in ("shm", "tcp", "nixl") if importable(b)]
 PB = LAYOUT.page_bytes
 REAL_TIME_LIMIT = 30.0  # seconds of wall time any pump loop may take before the test fails
 
@@ -103,8 +112,6 @@ def test_bytes_land_exactly(backend, src, dst):
 
 
 def test_tcp_splits_large_transfers_into_chunks(monkeypatch):
-    if "tcp" not in REAL:
-        pytest.fail("tcp backend not under test")
     from kvrelay.disagg.transfer import tcp
     monkeypatch.setattr(tcp, "CHUNK_BYTES", 3 * PB + 1)  # rounds down to 3 pages per message
     assert tcp.chunks([(0, 0, 8 * PB)], PB, tcp.CHUNK_BYTES) == [(0, 0, 3 * PB), (3 * PB, 3 * PB, 3 * PB),
@@ -140,8 +147,6 @@ def drain(pair: Pair) -> None:
 
 
 def test_tcp_drops_stale_and_foreign_frames():
-    if "tcp" not in REAL:
-        pytest.fail("tcp backend not under test")
     from kvrelay.disagg.transfer.tcp import TcpKV
     pair = Pair("tcp")
     try:
@@ -181,8 +186,6 @@ def shm_files() -> set[str]:
 
 
 def test_shm_segments_are_unlinked_on_close():
-    if "shm" not in REAL:
-        pytest.fail("shm backend not under test")
     before = shm_files()
     pair = Pair("shm")
     mine = {pair.p.segment.name.lstrip("/"), pair.d.segment.name.lstrip("/")}
@@ -198,8 +201,6 @@ def test_shm_segments_are_unlinked_on_close():
 
 
 def test_shm_pool_larger_than_dev_shm_fails_loudly(monkeypatch):
-    if "shm" not in REAL:
-        pytest.fail("shm backend not under test")
     from kvrelay.disagg.transfer import shm
 
     class Tiny:
@@ -214,8 +215,6 @@ def test_shm_pool_larger_than_dev_shm_fails_loudly(monkeypatch):
 
 
 def test_shm_unattachable_peer_fails_the_write():
-    if "shm" not in REAL:
-        pytest.fail("shm backend not under test")
     pair = Pair("shm")
     try:
         snd, rcv = pair.rendezvous(1, [0], epoch=1)
@@ -254,8 +253,7 @@ def test_hung_transfer_never_completes_and_abort_fails_it(backend):
     try:
         snd, rcv = pair.rendezvous(1, [2, 3], epoch=1)
         snd.send([0, 1], wire.Aux(0, 0, first_token=1))
-        deadline = time.monotonic() + 0.3
-        while time.monotonic() < deadline:
+        for _ in range(200):
             pair.p.progress()
             pair.d.progress()
         assert snd.poll() is S.TRANSFERRING and rcv.poll() is S.TRANSFERRING

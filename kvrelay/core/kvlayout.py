@@ -1,8 +1,8 @@
 """The byte layout of the paged KV cache, shared by the engine and the transfer layer.
 
 Layout is page-major: the pool is one contiguous buffer of `num_pages` pages, and each
-page holds, for every layer, K then V for `page_size` tokens:
-    [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
+page holds, for every layer, K then V, each head-major over `page_size` tokens:
+    [num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]
 so one page is one contiguous run of `page_bytes` bytes, and a page set moves as a list
 of (offset, length) runs without knowing anything about tensors.
 """

@@ -12,7 +12,7 @@ in its own module (e.g. the tcp backend's KV-frame header).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from kvrelay.core.kvlayout import KVLayout
@@ -43,7 +43,8 @@ class Message:
     KIND: ClassVar[str] = ""
 
     def to_body(self) -> dict:
-        return asdict(self)  # type: ignore[call-overload]
+        # Shallow on purpose (asdict deep-copies); nested dataclasses override to_body.
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
 
     @classmethod
     def from_body(cls, body: dict) -> "Message":
@@ -135,7 +136,7 @@ class Heartbeat(Message):
     rooms: dict = field(default_factory=dict)  # {room: phase}
 
     def to_body(self) -> dict:
-        body = asdict(self)
+        body = super().to_body()
         body["rooms"] = [[r, p] for r, p in self.rooms.items()]
         return body
 

@@ -26,34 +26,46 @@ class KVPool:
                 raise ValueError(f"KV buffer holds {len(buffer)} bytes, need {nbytes}")
             flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
         self._bytes = flat
-        shape = (num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
-        self.data = flat.view(TORCH_DTYPES[layout.dtype]).view(shape)
         L, S, H, D = layout.num_layers, layout.page_size, layout.num_kv_heads, layout.head_dim
-        # Two flat views of the same bytes: one row per token slot (for writes), and one
-        # row per (page, layer, K|V) holding a whole page's keys or values (for gathers).
-        self._slots = self.data.view(num_pages * L * 2 * S, H, D)
-        self._page_halves = self.data.view(num_pages * L * 2, S, H, D)
+        self.data = flat.view(TORCH_DTYPES[layout.dtype]).view(num_pages, L, 2, H, S, D)
+        # One row per (page, layer, K|V, head): a head's keys or values for a whole page.
+        # Writes address single token slots inside those rows; gathers take whole rows.
+        self._rows = self.data.view(num_pages * L * 2 * H, S, D)
+        self._slots = self.data.view(num_pages * L * 2 * H * S, D)
+        self._heads = torch.arange(H)
 
     @property
     def page_bytes(self) -> int:
         return self.layout.page_bytes
 
-    def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [T, H, D] of T tokens at (pages[t], offsets[t]) of `layer`."""
-        L, S = self.layout.num_layers, self.layout.page_size
-        k_rows = (pages * L + layer) * (2 * S) + offsets
-        self._slots.index_copy_(0, k_rows, k.to(self._slots.dtype))
-        self._slots.index_copy_(0, k_rows + S, v.to(self._slots.dtype))
+    # Index tensors are built once per forward pass for layer 0's keys; a layer's keys are
+    # `layer * 2 * H` rows further on and its values `H` rows after its keys, so each
+    # layer only adds a constant.
+    def slot_ids(self, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Token-slot ids [T * H] of (pages[t], offsets[t]) for every head, layer 0 keys."""
+        L, S, H = self.layout.num_layers, self.layout.page_size, self.layout.num_kv_heads
+        return ((pages * (L * 2 * H))[:, None] + self._heads).mul(S).add(offsets[:, None]).flatten()
 
-    def gather(self, layer: int, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `layer` for page_table [B, max_pages]: each [B, max_pages * S, H, D]."""
-        B, max_pages = page_table.shape
-        L, S = self.layout.num_layers, self.layout.page_size
-        k_rows = ((page_table * L + layer) * 2).flatten()
-        shape = (B, max_pages * S, *self._page_halves.shape[-2:])
-        return (self._page_halves.index_select(0, k_rows).view(shape),
-                self._page_halves.index_select(0, k_rows + 1).view(shape))
+    def row_ids(self, page_table: torch.Tensor) -> torch.Tensor:
+        """Page-row ids [H * B * pages] (head-major) of page_table [B, pages], layer 0 keys."""
+        L, H = self.layout.num_layers, self.layout.num_kv_heads
+        return ((page_table.flatten() * (L * 2 * H))[None, :] + self._heads[:, None]).flatten()
+
+    def write(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, H, D] at `slot_ids` (from `slot_ids()`) of `layer`."""
+        H, S, D = self.layout.num_kv_heads, self.layout.page_size, self.layout.head_dim
+        k_slots = slot_ids + layer * 2 * H * S
+        self._slots.index_copy_(0, k_slots, k.reshape(-1, D).to(self._slots.dtype))
+        self._slots.index_copy_(0, k_slots + H * S, v.reshape(-1, D).to(self._slots.dtype))
+
+    def gather(self, layer: int, row_ids: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` at `row_ids` (from `row_ids()`), each [H, batch, pages * S, D]:
+        head-major, so attention batches over (head, sequence) without another copy."""
+        H, S, D = self.layout.num_kv_heads, self.layout.page_size, self.layout.head_dim
+        k_rows = row_ids + layer * 2 * H
+        shape = (H, batch, -1, D)
+        return (self._rows.index_select(0, k_rows).view(shape),
+                self._rows.index_select(0, k_rows + H).view(shape))
 
     def buffer(self) -> memoryview:
         """The whole pool as one writable byte buffer (num_pages * page_bytes)."""

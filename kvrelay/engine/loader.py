@@ -64,6 +64,7 @@ def load_model(opts: ModelOptions, progress: Progress | None = None, device: str
         loaded = _load_hf_dir(_existing(Path(spec)), opts, progress, device)
     if opts.served_model_name:
         loaded.name = opts.served_model_name
+    loaded.model.prepare()
     return loaded
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import asyncio
 
 from kvrelay.core.config import KVRelayConfig
-from kvrelay.engine.engine import AsyncEngine, build_engine
+from kvrelay.engine.core import EngineCore
+from kvrelay.engine.engine import AsyncEngine
 from kvrelay.engine.loader import load_model
 from kvrelay.obs.metrics import ServingMetrics
 from kvrelay.server.observe import observability_router
@@ -26,11 +27,14 @@ def colocated_app(engine: AsyncEngine):
 
 
 def serve_colocated(config: KVRelayConfig) -> None:
-    loaded = load_with_progress(load_model, config.model)
-    engine = build_engine(loaded, config.kv, config.scheduler)
+    def build_core() -> EngineCore:  # runs on the engine thread: it alone touches torch
+        return EngineCore(load_with_progress(load_model, config.model), config.kv, config.scheduler)
+
+    engine = AsyncEngine(build_core)
     app = colocated_app(engine)
     srv = config.server
-    print(startup_line("colocated", loaded, engine.core.capacity_tokens, f"http://{srv.host}:{srv.port}"), flush=True)
+    print(startup_line("colocated", engine.core.loaded, engine.core.capacity_tokens, f"http://{srv.host}:{srv.port}"),
+          flush=True)
     try:
         run_uvicorn(app, srv)
     finally:

@@ -528,6 +528,7 @@ class CommonManager(TransferManager):
         if snd.status is S.FAILED and not snd.stopped_sent:
             self._draining.append(snd)
         ttl = self.lifecycle.bootstrap_timeout + self.lifecycle.transfer_timeout + self.lifecycle.quarantine_grace
+        self._closed.pop(snd.room, None)  # re-insert at the end: the dict stays in expiry order
         self._closed[snd.room] = (self.clock.now() + ttl, snd)
 
     def _pump_draining(self) -> None:
@@ -536,11 +537,15 @@ class CommonManager(TransferManager):
         self._draining = [s for s in self._draining if not s.stopped_sent]
 
     def _expire(self) -> None:
+        """Both dicts are in expiry order (one TTL each, insertion order), so this stops at
+        the first live entry: O(expired) per iteration, not O(entries)."""
         now = self.clock.now()
-        for room in [r for r, (t, _) in self._early.items() if t <= now]:
-            del self._early[room]
-        for room in [r for r, (t, _) in self._closed.items() if t <= now]:
-            del self._closed[room]
+        for table in (self._early, self._closed):
+            while table:
+                room, (expiry, _) = next(iter(table.items()))
+                if expiry > now:
+                    break
+                del table[room]
 
     # ---- introspection (debug rows, tests) ---------------------------------------------------
     def counts(self) -> dict[str, int]:

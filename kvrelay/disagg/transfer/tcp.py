@@ -2,14 +2,14 @@
 
 P sends the KV as TcpKV messages: a JSON header naming (room, epoch, a run of consecutive
 destination pages) and one raw frame holding those pages' bytes, a zero-copy view of P's
-pool. Aux follows on the same
-socket, so it arrives after every KV message. D copies a frame into its pool only if
-(room, epoch) still owns every destination page at that moment; otherwise the frame is
-dropped, so a late or foreign frame never lands.
+pool. Aux follows on the same socket, so it arrives after every KV message. D copies a
+frame into its pool only if (room, epoch) still owns every destination page at that
+moment; otherwise the frame is dropped, so a late or foreign frame never lands.
 
 Invariants:
-- A message carries at most CHUNK_BYTES (whole pages), so D checks ownership per chunk
-  and zmq never needs one huge receive buffer.
+- A message carries at most CHUNK_BYTES (whole pages): D checks ownership per chunk and
+  copies chunk i while chunk i + 1 is still on the wire, and zmq never allocates one huge
+  receive buffer.
 - P's source pages stay pinned until ack or a terminal failure (the lifecycle's rule), so
   a zero-copy frame never reads pages of another request while the room is live; after a
   failure, whatever bytes still go out are dropped by D's ownership check.

@@ -40,7 +40,12 @@ class CausalLM(nn.Module):
       (`kv.gather(layer, ...)`) under `batch.attn_mask`.
       It returns float32 logits [B, vocab] for the rows in `batch.logits_index`.
     - `load_weights(named)` takes (HF-style name, tensor) pairs, already un-permuted.
+    - `prepare()` runs once after the weights are final (e.g. to pre-pack them for the
+      CPU's matmul library); weights must not change afterwards.
     """
+
+    def prepare(self) -> None:
+        pass
 
     @abstractmethod
     def forward(self, batch: ForwardBatch, kv) -> torch.Tensor: ...

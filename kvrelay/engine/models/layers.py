@@ -12,8 +12,49 @@ from torch import nn
 from kvrelay.engine.forward import ForwardBatch
 
 
+# oneDNN weight packing: the packed layout serves every row count; 32 is only its tuning hint.
+_PACK_HINT_ROWS = 32
+
+
+def _packable(w: torch.Tensor) -> bool:
+    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                packed: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, faster on CPU in bfloat16. Measured here (2 cores, 576x3072): one row runs
+    2x faster on torch's native GEMV than through oneDNN, and 2 or more rows run 1.3-2x
+    faster on oneDNN with the weight pre-packed than on the plain weight."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    if x.shape[0] == 1:
+        torch._C._set_mkldnn_enabled(False)  # only the engine thread runs torch
+        try:
+            return F.linear(x, weight, bias)
+        finally:
+            torch._C._set_mkldnn_enabled(True)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor | None:
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_HINT_ROWS) if _packable(w) else None
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose forward is `fast_linear`; `prepare()` packs the loaded weight."""
+
+    packed: torch.Tensor | None = None
+
+    def prepare(self) -> None:
+        self.packed = pack_weight(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fast_linear(x, self.weight, self.bias, self.packed)
+
+
 class RMSNorm(nn.Module):
-    """Normalises in float32 and casts back before the weight, as the Llama family does."""
+    """torch's fused RMSNorm (it accumulates in float32). In bfloat16 it rounds once where
+    the Hugging Face reference rounds twice: at most one ulp apart, and twice as fast."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -21,9 +62,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -80,7 +119,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x [T, H, D] rotated by cos/sin [T, 1, D]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return torch.addcmul(x * cos, rotated, sin)
 
 
 class SwiGLU(nn.Module):
@@ -89,8 +128,8 @@ class SwiGLU(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -106,9 +145,12 @@ class AttnMeta:
     q_index: torch.Tensor     # [B, max_q] row in T of each padded query
     row_slot: torch.Tensor    # [T] slot in the flattened [B * max_q] padded queries of each row
     batch: ForwardBatch
+    write_slots: torch.Tensor  # KV-pool slots of the new tokens (kv.slot_ids)
+    read_rows: torch.Tensor | None  # KV-pool rows of batch.page_table (kv.row_ids); None: no_prefix
+    masked_out: torch.Tensor  # ~mask, for masked_fill
 
     @classmethod
-    def build(cls, batch: ForwardBatch, rope: RotaryEmbedding, dtype: torch.dtype) -> "AttnMeta":
+    def build(cls, batch: ForwardBatch, rope: RotaryEmbedding, dtype: torch.dtype, kv) -> "AttnMeta":
         cos, sin = rope.cos_sin(batch.positions, dtype)
         # A padded query row would be fully masked, and softmax over nothing is NaN: let it
         # see key 0. Its output is never gathered back, so real rows are unaffected.
@@ -118,7 +160,9 @@ class AttnMeta:
         # Inverse of q_index over the valid slots, so each layer un-pads with one gather.
         slots = batch.q_valid.flatten().nonzero().squeeze(1)
         row_slot = torch.empty_like(slots).index_copy_(0, batch.q_index.flatten()[slots], slots)
-        return cls(cos, sin, mask, batch.q_index, row_slot, batch)
+        return cls(cos, sin, mask, batch.q_index, row_slot, batch,
+                   kv.slot_ids(batch.write_pages, batch.write_offsets),
+                   None if batch.no_prefix else kv.row_ids(batch.page_table), ~mask)
 
 
 class PagedAttention(nn.Module):
@@ -134,29 +178,34 @@ class PagedAttention(nn.Module):
         """q [T, Hq, D], k/v [T, Hkv, D] (RoPE applied) -> [T, Hq * D]."""
         b = meta.batch
         # Written before the read, so this pass's tokens see their own keys.
-        kv.write(self.layer, b.write_pages, b.write_offsets, k, v)
+        kv.write(self.layer, meta.write_slots, k, v)
         queries = q[meta.q_index]                                      # [B, max_q, Hq, D]
         if b.no_prefix:
-            keys, values = k[meta.q_index], v[meta.q_index]            # [B, max_q, Hkv, D]
-            mask = meta.mask[..., : keys.shape[1]]
+            keys = k[meta.q_index].transpose(1, 2)                     # [B, Hkv, max_q, D]
+            values = v[meta.q_index].transpose(1, 2)
+            mask = meta.mask[..., : keys.shape[2]]
         else:
-            keys, values = kv.gather(self.layer, b.page_table)         # [B, max_kv, Hkv, D]
+            keys, values = kv.gather(self.layer, meta.read_rows, b.batch_size)  # [Hkv, B, max_kv, D]
             keys, values, mask = keys.to(q.dtype), values.to(q.dtype), meta.mask
-        if queries.shape[1] == 1:
-            return self._single_query(queries, keys, values, mask)
+            if queries.shape[1] == 1:
+                return self._single_query(queries[:, 0], keys, values, meta.masked_out)
+            keys, values = keys.transpose(0, 1), values.transpose(0, 1)
         out = F.scaled_dot_product_attention(
-            queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            queries.transpose(1, 2), keys, values,
             attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
         out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)  # [B * max_q, Hq * D]
         return out[meta.row_slot]
 
-    def _single_query(self, queries, keys, values, mask) -> torch.Tensor:
-        """Decode: one query per sequence, as two batched matmuls (far cheaper on CPU than
-        the flash kernel for q_len 1). Query head h reads kv head h // group."""
-        B, group = queries.shape[0], self.num_heads // self.num_kv_heads
-        q4 = queries.view(B, self.num_kv_heads, group, self.head_dim)
-        scores = torch.matmul(q4, keys.permute(0, 2, 3, 1)).float()   # [B, Hkv, G, max_kv]
-        scores.mul_(self.head_dim ** -0.5).masked_fill_(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values.transpose(1, 2))              # [B, Hkv, G, D]
-        return out.reshape(B, self.num_heads * self.head_dim)
+    def _single_query(self, queries, keys, values, masked_out) -> torch.Tensor:
+        """Decode: one query per sequence against head-major keys [Hkv, B, L, D], as two
+        batched matmuls over (kv head, sequence) that read the gathered keys in place (far
+        cheaper on CPU than the flash kernel for q_len 1). Query head h reads kv head h // G."""
+        Hkv, B, L, D = keys.shape
+        group = self.num_heads // Hkv
+        q = queries.view(B, Hkv, group, D).transpose(0, 1).reshape(Hkv * B, group, D)
+        scores = torch.bmm(q, keys.view(Hkv * B, L, D).transpose(1, 2)).float()   # [Hkv*B, G, L]
+        scores = scores.view(Hkv, B, group, L).mul_(D ** -0.5)
+        scores.masked_fill_(masked_out.view(1, B, 1, L), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype).view(Hkv * B, group, L)
+        out = torch.bmm(probs, values.view(Hkv * B, L, D))                           # [Hkv*B, G, D]
+        return out.view(Hkv, B, group, D).transpose(0, 1).reshape(B, self.num_heads * D)

@@ -12,8 +12,8 @@ from torch import nn
 
 from kvrelay.engine.forward import ForwardBatch
 from kvrelay.engine.models.base import MODELS, ArchConfig, CausalLM, ModelLoadError
-from kvrelay.engine.models.layers import (AttnMeta, PagedAttention, RMSNorm, RotaryEmbedding, SwiGLU,
-                                          apply_rope)
+from kvrelay.engine.models.layers import (AttnMeta, Linear, PagedAttention, RMSNorm, RotaryEmbedding, SwiGLU,
+                                          apply_rope, fast_linear, pack_weight)
 
 # Checkpoint entries that hold no weight of ours.
 _IGNORED = ("rotary_emb.inv_freq",)
@@ -23,16 +23,15 @@ class LlamaAttention(nn.Module):
     def __init__(self, arch: ArchConfig, layer: int, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         self.hq, self.hkv, self.d = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.hq * self.d, arch.hidden_size, bias=o_bias)
+        self.qkv_proj = Linear(arch.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=qkv_bias)
+        self.o_proj = Linear(self.hq * self.d, arch.hidden_size, bias=o_bias)
         self.attn = PagedAttention(self.hq, self.hkv, self.d, layer)
 
     def forward(self, x: torch.Tensor, meta: AttnMeta, kv) -> torch.Tensor:
-        kv_width = self.hkv * self.d
-        q, k, v = self.qkv_proj(x).split([self.hq * self.d, kv_width, kv_width], dim=-1)
-        q = apply_rope(q.view(-1, self.hq, self.d), meta.cos, meta.sin)
-        k = apply_rope(k.view(-1, self.hkv, self.d), meta.cos, meta.sin)
-        return self.o_proj(self.attn(q, k, v.view(-1, self.hkv, self.d), meta, kv))
+        qkv = self.qkv_proj(x).view(-1, self.hq + 2 * self.hkv, self.d)
+        qk = apply_rope(qkv[:, : self.hq + self.hkv], meta.cos, meta.sin)  # q and k rotate together
+        q, k = qk.split([self.hq, self.hkv], dim=1)
+        return self.o_proj(self.attn(q, k, qkv[:, self.hq + self.hkv:], meta, kv))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -70,19 +69,28 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(arch, qkv_bias, o_bias)
         # Tied: the head reads embed_tokens.weight, so no second parameter can drift from it.
         self.lm_head = (None if arch.tie_word_embeddings
-                        else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
+                        else Linear(arch.hidden_size, arch.vocab_size, bias=False))
+        self._head_packed: torch.Tensor | None = None
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
                                       arch.rope_scaling)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
         h = self.model.embed_tokens(batch.input_ids)
-        meta = AttnMeta.build(batch, self.rotary, h.dtype)
+        meta = AttnMeta.build(batch, self.rotary, h.dtype, kv)
         for layer in self.model.layers:
             h = layer(h, meta, kv)
         h = self.model.norm(h[batch.logits_index])
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, head).float()
+        if self.lm_head is not None:
+            return self.lm_head(h).float()
+        return fast_linear(h, self.model.embed_tokens.weight, None, self._head_packed).float()
+
+    def prepare(self) -> None:
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepare()
+        if self.lm_head is None:
+            self._head_packed = pack_weight(self.model.embed_tokens.weight)
 
     def _fused_slices(self) -> dict[str, tuple[str, int, int]]:
         """HF projection name -> (our fused projection, first row, row count)."""
