@@ -218,6 +218,24 @@ class Harness:
         self.p_released = {}
         self.P = self._prefill_side()
 
+    def restart_d(self) -> None:
+        """Replace D by a new incarnation at the same control address (new pool, new pages)."""
+        address = self.dm.address
+        self.dm.close()
+        if self.real:
+            self.dm = self._manager(None, port=int(address.rsplit(":", 1)[1]))
+            time.sleep(0.1)  # real sockets reconnect in real time; the SimClock waits for them
+        else:
+            self.dm = create_manager(self.backend, LAYOUT, TransferConfig(transfer_backend=self.backend),
+                                     lifecycle=self.cfg, clock=self.clock,
+                                     channel=self.network.channel(address))
+        assert self.dm.address == address
+        self.dpool = self.dm.allocate_pool(self.num_pages)
+        self.dalloc = PageAllocator(self.num_pages)
+        self.d_released = {}
+        self.D = DecodeSide(self.cfg, self.dm, self.clock, self._reserve, self._d_release,
+                            on_terminal=self._record, capacity=self.num_pages)
+
     def close(self) -> None:
         self.pm.close()
         self.dm.close()

@@ -212,6 +212,30 @@ def test_prefill_restart_fails_decode_rooms(backend, phase):
         H.close()
 
 
+@pytest.mark.parametrize("phase", ["queued", "transfer"])
+def test_decode_restart_fails_prefill_rooms(backend, phase):
+    H = make(backend, cfg=with_cfg(queue_timeout=100, transfer_timeout=100, waiting_timeout=100),
+             d_faults="drop_ack=1")  # keeps P in transfer; the restarted D has no faults
+    try:
+        H.request(1)
+        H.to_phase(1, "P", "queued")
+        if phase == "transfer":
+            H.prefill(1)
+        assert H.phase("P", 1) == phase
+        H.step(int(2 * CFG.heartbeat_interval / DT))
+        t_restart = H.clock.now()
+        H.restart_d()
+        assert H.run_until(lambda: H.event("P", 1) is not None, 2 * LEASE)
+        t, ev = H.event("P", 1)
+        assert (ev.phase, ev.reason) == ("failed", "peer_failed"), ev
+        assert t <= t_restart + LEASE + DT + 1e-9
+        H.request(2)  # the new incarnation serves new traffic
+        H.complete(2)
+        H.assert_no_leak()
+    finally:
+        H.close()
+
+
 @pytest.mark.parametrize("phase", ["queued", "waiting"])
 def test_slow_request_kept_alive_by_heartbeats(backend, phase):
     H = make(backend, cfg=with_cfg(queue_timeout=1000, waiting_timeout=1000))
