@@ -40,15 +40,19 @@ def run_all(engine, jobs):
     return asyncio.run(main())
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "default-model"])
 def hf_and_engine(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from kvrelay.engine.models.testing import make_tiny_model_dir
+    from test_models import hf_reference_from_gguf
 
-    path = make_tiny_model_dir(tmp_path_factory.mktemp(request.param), arch=request.param, seed=1)
-    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
-    loaded = load_model(ModelOptions(model=str(path), dtype="float32"))
+    if request.param == "default-model":
+        hf, loaded = hf_reference_from_gguf(), load_model(ModelOptions(dtype="float32"))
+    else:
+        path = make_tiny_model_dir(tmp_path_factory.mktemp(request.param), arch=request.param, seed=1)
+        hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+        loaded = load_model(ModelOptions(model=str(path), dtype="float32"))
     engine = build_engine(loaded, KVCacheConfig(page_size=4, max_kv_tokens=2048),
                           SchedulerConfig(max_running_requests=16, max_prefill_tokens=96))
     yield hf, engine
@@ -57,19 +61,23 @@ def hf_and_engine(request, tmp_path_factory):
 
 
 def test_greedy_matches_transformers_generate_alone_and_batched(hf_and_engine):
+    """32 greedy tokens (or fewer, when EOS comes first, on both sides) for 5 prompts."""
     hf, engine = hf_and_engine
     tok = engine.tokenizer()
+    eos = sorted(engine.core.eos_ids)
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     expected = []
     for p in ids:
         with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, min_new_tokens=32,
-                              pad_token_id=0)
+            out = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, eos_token_id=eos,
+                              pad_token_id=eos[0])
         expected.append(out[0, len(p):].tolist())
-    alone = [run_all(engine, [(f"alone-{i}", p, greedy())])[0][0] for i, p in enumerate(ids)]
-    batched = [r[0] for r in run_all(engine, [(f"batch-{i}", p, greedy()) for i, p in enumerate(ids)])]
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    alone = [run_all(engine, [(f"alone-{i}", p, params)])[0][0] for i, p in enumerate(ids)]
+    batched = [r[0] for r in run_all(engine, [(f"batch-{i}", p, params) for i, p in enumerate(ids)])]
     assert alone == expected
     assert batched == expected
+    assert sum(len(e) for e in expected) > 5 * 8  # not a degenerate run of immediate EOS
     engine.check_idle()
 
 
