@@ -92,14 +92,6 @@ class DecodeSide(Coordinator):
         self._tombstone(r, "done")
         return True
 
-    def abort(self, room: int, reason: str = Reason.ABORTED.value, detail: str = "") -> bool:
-        """End the room now, in any phase; P is told. False if it is not live."""
-        r = self.lc.rooms.get(room)
-        if r is None:
-            return False
-        self._fail(r, reason, detail)
-        return True
-
     # ---- reactions --------------------------------------------------------------------------
     def _poll_rooms(self) -> None:
         for r in list(self.lc.rooms.values()):

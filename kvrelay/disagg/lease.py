@@ -102,6 +102,14 @@ class Coordinator(ABC):
     def _backend_status(self, r: Room) -> str:
         return ""
 
+    def abort(self, room: int, reason: str = Reason.ABORTED.value, detail: str = "") -> bool:
+        """End the room now, in any phase; the peer is told. False if it is not live."""
+        r = self.lc.rooms.get(room)
+        if r is None:
+            return False
+        self._fail(r, reason, detail)
+        return True
+
     def _extra_heartbeat_rooms(self) -> dict[int, str]:
         return {}
 

@@ -65,14 +65,6 @@ class PrefillSide(Coordinator):
         self._senders[room].send(list(src_pages), aux)
         return True
 
-    def abort(self, room: int, reason: str = Reason.ABORTED.value, detail: str = "") -> bool:
-        """End the room now, in any phase; D is told. False if it is not live."""
-        r = self.lc.rooms.get(room)
-        if r is None:
-            return False
-        self._fail(r, reason, detail)
-        return True
-
     # ---- reactions --------------------------------------------------------------------------
     def _poll_rooms(self) -> None:
         for r in list(self.lc.rooms.values()):
