@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.engine.forward import ForwardBatch
+from kvrelay.engine.kernels import PagedDecode, paged_decode
 
 
 # oneDNN weight packing: the packed layout serves every row count; 32 is only its tuning hint.
@@ -148,6 +149,8 @@ class AttnMeta:
     write_slots: torch.Tensor  # KV-pool slots of the new tokens (kv.slot_ids)
     read_rows: torch.Tensor | None  # KV-pool rows of batch.page_table (kv.row_ids); None: no_prefix
     masked_out: torch.Tensor  # ~mask, for masked_fill
+    native: PagedDecode | None  # the native decode kernel, for one-token-per-sequence passes
+    kv_lens: torch.Tensor      # [B] int64
 
     @classmethod
     def build(cls, batch: ForwardBatch, rope: RotaryEmbedding, dtype: torch.dtype, kv) -> "AttnMeta":
@@ -160,9 +163,13 @@ class AttnMeta:
         # Inverse of q_index over the valid slots, so each layer un-pads with one gather.
         slots = batch.q_valid.flatten().nonzero().squeeze(1)
         row_slot = torch.empty_like(slots).index_copy_(0, batch.q_index.flatten()[slots], slots)
+        native = paged_decode() if max(batch.q_lens) == 1 and not batch.no_prefix else None
+        if native is not None and not native.supports(kv.data.dtype, batch.batch_size):
+            native = None
+        read_rows = None if batch.no_prefix or native is not None else kv.row_ids(batch.page_table)
         return cls(cos, sin, mask, batch.q_index, row_slot, batch,
-                   kv.slot_ids(batch.write_pages, batch.write_offsets),
-                   None if batch.no_prefix else kv.row_ids(batch.page_table), ~mask)
+                   kv.slot_ids(batch.write_pages, batch.write_offsets), read_rows, ~mask, native,
+                   torch.tensor(batch.kv_lens, dtype=torch.int64))
 
 
 class PagedAttention(nn.Module):
@@ -179,6 +186,10 @@ class PagedAttention(nn.Module):
         b = meta.batch
         # Written before the read, so this pass's tokens see their own keys.
         kv.write(self.layer, meta.write_slots, k, v)
+        if meta.native is not None:  # decode: q rows are already one per sequence
+            out = meta.native(kv.data, b.page_table, meta.kv_lens, q.to(kv.data.dtype), self.layer,
+                              self.num_kv_heads, kv.layout.page_size, self.head_dim ** -0.5)
+            return out.view(-1, self.num_heads * self.head_dim).to(q.dtype)
         queries = q[meta.q_index]                                      # [B, max_q, Hq, D]
         if b.no_prefix:
             keys = k[meta.q_index].transpose(1, 2)                     # [B, Hkv, max_q, D]
