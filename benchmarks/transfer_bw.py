@@ -31,7 +31,7 @@ Case = Callable[[int], "tuple[Callable[[], float | None], Callable[[], None]]"]
 def reps_for(size: int, quick: bool) -> int:
     if size <= LATENCY_SIZE:
         return 50 if quick else 300
-    n = 7 if size >= 256 * MIB else 30 if size >= 16 * MIB else 100
+    n = 11 if size >= 256 * MIB else 60 if size >= 16 * MIB else 100
     return max(2, n // 3) if quick else n
 
 

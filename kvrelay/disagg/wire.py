@@ -11,6 +11,7 @@ in its own module (e.g. the tcp backend's KV-frame header).
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
@@ -44,27 +45,35 @@ class Message:
 
     def to_body(self) -> dict:
         # Shallow on purpose (asdict deep-copies); nested dataclasses override to_body.
-        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        return {name: getattr(self, name) for name in _field_names(type(self))}
 
     @classmethod
     def from_body(cls, body: dict) -> "Message":
-        known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        known = _field_names(cls)
         return cls(**{k: _tuples(v) for k, v in body.items() if k in known})
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    """Cached: dataclasses.fields() costs microseconds, and this runs per message."""
+    return tuple(f.name for f in fields(cls))
 
 
 def _tuples(v: Any) -> Any:
     return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
 
 
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def encode(msg: Message, src: str) -> bytes:
-    return json.dumps({"v": WIRE_VERSION, "kind": msg.KIND, "src": src, "body": msg.to_body()},
-                      separators=(",", ":")).encode()
+    return _ENCODE({"v": WIRE_VERSION, "kind": msg.KIND, "src": src, "body": msg.to_body()}).encode()
 
 
 def decode(data: bytes | memoryview) -> tuple[str, Message]:
     """-> (src address, message). Raises WireError on any malformed or foreign frame."""
     try:
-        obj = json.loads(bytes(data))
+        obj = json.loads(data if isinstance(data, bytes) else bytes(data))
         if obj.get("v") != WIRE_VERSION:
             raise WireError(f"wire version {obj.get('v')!r}, expected {WIRE_VERSION}")
         cls = _KINDS[obj["kind"]]
