@@ -13,9 +13,10 @@ Invariants:
 """
 from __future__ import annotations
 
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 
@@ -63,22 +64,52 @@ def create_segment(name: str, nbytes: int) -> shared_memory.SharedMemory:
     return seg
 
 
-def attach_segment(name: str) -> shared_memory.SharedMemory:
-    """Map an existing segment. Python 3.11 registers every attach with the resource
-    tracker, which would unlink the owner's segment when this process exits: undo that,
-    unless this process is the owner (one registration serves both)."""
-    seg = shared_memory.SharedMemory(name=name)
-    if seg.name not in _CREATED:
-        resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
-    return seg
+class AttachedSegment:
+    """A mapping of someone else's segment, made without the resource tracker: Python
+    3.11's SharedMemory registers every attach, and unregistering it again would also drop
+    the owner's registration when both processes share one tracker (a child started by
+    multiprocessing does). Same surface as SharedMemory for what this module uses."""
+
+    def __init__(self, name: str) -> None:
+        import _posixshmem  # CPython's own shm_open binding (what SharedMemory uses)
+
+        fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
+        try:
+            self.size = os.fstat(fd).st_size
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self.name = name
+        self.buf: memoryview | None = memoryview(self._mmap)
+
+    def close(self) -> None:
+        if self.buf is not None:
+            self.buf.release()
+            self.buf = None
+        if self._mmap is not None:
+            self._mmap.close()  # BufferError while a view is exported: see close_segment
+            self._mmap = None
 
 
-def close_segment(seg: shared_memory.SharedMemory) -> None:
+Segment = shared_memory.SharedMemory | AttachedSegment
+
+
+def attach_segment(name: str) -> Segment:
+    """Map an existing segment; this process's own segments are mapped as they are."""
+    if name.lstrip("/") in {n.lstrip("/") for n in _CREATED}:
+        return shared_memory.SharedMemory(name=name)
+    return AttachedSegment(name)
+
+
+def close_segment(seg: Segment) -> None:
     """Unmap, or, while a view is still exported (the engine's KV tensor, a test's
     memoryview), leave the mapping to die with its last view; the fd is closed either way."""
     try:
         seg.close()
     except BufferError:
+        if isinstance(seg, AttachedSegment):
+            seg._mmap = None  # the mapping lives on in the exported view
+            return
         # SharedMemory.close() stopped at the mmap; finish its work without the unmap so
         # that __del__ does not retry and warn.
         seg._mmap = None  # type: ignore[attr-defined]
@@ -99,7 +130,7 @@ class ShmManager(CommonManager):
     def __init__(self, layout, transfer=None, **kwargs) -> None:
         super().__init__(layout, transfer, **kwargs)
         self.segment: shared_memory.SharedMemory | None = None
-        self._attached: dict[str, shared_memory.SharedMemory | str] = {}  # peer address -> segment | error
+        self._attached: dict[str, Segment | str] = {}  # peer address -> segment | error
 
     # ---- pool and endpoint ---------------------------------------------------------------
     def allocate_pool(self, num_pages: int) -> memoryview:
@@ -132,13 +163,13 @@ class ShmManager(CommonManager):
 
     def disconnect(self, peer: PeerInfo) -> None:
         seg = self._attached.pop(peer.address, None)
-        if isinstance(seg, shared_memory.SharedMemory):
+        if seg is not None and not isinstance(seg, str):
             close_segment(seg)
 
     # ---- P side ----------------------------------------------------------------------------
     def write_start(self, job: WriteJob) -> None:
         seg = self._attached.get(job.peer.address)
-        if not isinstance(seg, shared_memory.SharedMemory):
+        if seg is None or isinstance(seg, str):
             job.fail(seg or "decode worker's shm segment is not attached")
             return
         src, dst = self.pool, seg.buf
@@ -155,7 +186,7 @@ class ShmManager(CommonManager):
     def close_backend(self) -> None:
         for address in list(self._attached):
             seg = self._attached.pop(address)
-            if isinstance(seg, shared_memory.SharedMemory):
+            if not isinstance(seg, str):
                 close_segment(seg)
         if self.segment is not None:
             self.pool = None
