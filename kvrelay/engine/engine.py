@@ -16,6 +16,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from typing import AsyncIterator, Callable
 
 from kvrelay.engine.core import EngineCore
@@ -129,14 +130,9 @@ class AsyncEngine(EngineClient):
     # -- lifecycle -------------------------------------------------------------------------
     def check_idle(self, timeout: float = 10.0) -> None:
         """Wait until the engine holds no request, then prove that nothing leaked."""
-        def idle(core: EngineCore) -> bool:
-            return not core.has_work
-
-        deadline = threading.Event()
-        for _ in range(int(timeout / 0.05)):
-            if self.call(idle):
-                break
-            deadline.wait(0.05)
+        deadline = time.monotonic() + timeout
+        while self.call(lambda core: core.has_work) and time.monotonic() < deadline:
+            time.sleep(0.05)
         self.call(lambda core: core.check_idle())
 
     def shutdown(self) -> None:
