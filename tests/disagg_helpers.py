@@ -79,8 +79,7 @@ class Harness:
         self.p_released: dict[int, int] = {}
         self.d_released: dict[int, int] = {}
         self.P = self._prefill_side()
-        self.D = DecodeSide(cfg, self.dm, self.clock, self._reserve, self._d_release,
-                            on_terminal=self._record, capacity=num_pages)
+        self.D = self._decode_side()
 
     # ---- construction ---------------------------------------------------------------------
     def _manager(self, faults: str | None, port: int = 0):
@@ -90,6 +89,10 @@ class Harness:
 
     def _prefill_side(self) -> PrefillSide:
         return PrefillSide(self.cfg, self.pm, self.clock, self._p_release, on_terminal=self._record)
+
+    def _decode_side(self) -> DecodeSide:
+        return DecodeSide(self.cfg, self.dm, self.clock, self._reserve, self._d_release,
+                          on_terminal=self._record, capacity=self.num_pages)
 
     def _record(self, ev) -> None:
         self.events.append((self.clock.now(), ev))
@@ -200,19 +203,22 @@ class Harness:
         for room, n in list(self.p_released.items()) + list(self.d_released.items()):
             assert n == 1, f"room {room} released {n} times"
 
-    def restart_p(self) -> None:
-        """Replace P by a new incarnation at the same control address."""
-        address = self.pm.address
-        self.pm.close()
+    def _reincarnate(self, old) -> object:
+        """Close a manager and start a new incarnation at the same control address."""
+        address = old.address
+        old.close()
         if self.real:
-            port = int(address.rsplit(":", 1)[1])
-            self.pm = self._manager(None, port=port)
+            new = self._manager(None, port=int(address.rsplit(":", 1)[1]))
             time.sleep(0.1)  # real sockets reconnect in real time; the SimClock waits for them
         else:
-            self.pm = create_manager(self.backend, LAYOUT, TransferConfig(transfer_backend=self.backend),
-                                     lifecycle=self.cfg, clock=self.clock,
-                                     channel=self.network.channel(address))
-        assert self.pm.address == address
+            new = create_manager(self.backend, LAYOUT, TransferConfig(transfer_backend=self.backend),
+                                 lifecycle=self.cfg, clock=self.clock, channel=self.network.channel(address))
+        assert new.address == address
+        return new
+
+    def restart_p(self) -> None:
+        """Replace P by a new incarnation at the same control address."""
+        self.pm = self._reincarnate(self.pm)
         self.ppool = self.pm.allocate_pool(self.num_pages)
         self.palloc = PageAllocator(self.num_pages)
         self.p_released = {}
@@ -220,21 +226,11 @@ class Harness:
 
     def restart_d(self) -> None:
         """Replace D by a new incarnation at the same control address (new pool, new pages)."""
-        address = self.dm.address
-        self.dm.close()
-        if self.real:
-            self.dm = self._manager(None, port=int(address.rsplit(":", 1)[1]))
-            time.sleep(0.1)  # real sockets reconnect in real time; the SimClock waits for them
-        else:
-            self.dm = create_manager(self.backend, LAYOUT, TransferConfig(transfer_backend=self.backend),
-                                     lifecycle=self.cfg, clock=self.clock,
-                                     channel=self.network.channel(address))
-        assert self.dm.address == address
+        self.dm = self._reincarnate(self.dm)
         self.dpool = self.dm.allocate_pool(self.num_pages)
         self.dalloc = PageAllocator(self.num_pages)
         self.d_released = {}
-        self.D = DecodeSide(self.cfg, self.dm, self.clock, self._reserve, self._d_release,
-                            on_terminal=self._record, capacity=self.num_pages)
+        self.D = self._decode_side()
 
     def close(self) -> None:
         self.pm.close()
