@@ -24,7 +24,7 @@ def test_native_decode_matches_torch_attention(dtype, tol):
     kernel = kernels.paged_decode()
     assert kernel is not None, "the C compiler is part of the supported setup"
     gen = torch.Generator().manual_seed(0)
-    P, L, H, S, D, G, B = 40, 3, 2, 4, 16, 3, 4
+    P, L, H, S, D, G, B = 40, 3, 2, 4, 64, 3, 4
     pool = torch.randn(P, L, 2, H, S, D, generator=gen).to(dtype)
     perm = torch.randperm(P, generator=gen)
     page_table = perm[: B * 8].view(B, 8).contiguous()
@@ -34,6 +34,14 @@ def test_native_decode_matches_torch_attention(dtype, tol):
     ref = reference(pool, page_table, kv_lens, q, 2, H, S, D ** -0.5)
     assert out.dtype == dtype and out.shape == q.shape
     assert (out.float() - ref).abs().max().item() < tol
+
+
+def test_unsupported_shapes_use_the_torch_path():
+    kernel = kernels.paged_decode()
+    assert kernel.supports(torch.bfloat16, 64, 3) and kernel.supports(torch.float32, 128, 8)
+    assert not kernel.supports(torch.bfloat16, 80, 3)        # head dim without a fixed-size loop
+    assert not kernel.supports(torch.float16, 64, 3)
+    assert not kernel.supports(torch.float32, 64, 32)        # more query heads per kv head than scratch
 
 
 def test_native_kernel_can_be_switched_off(monkeypatch):

@@ -1,15 +1,19 @@
 /* Decode attention straight from the paged KV pool: one query token per sequence, keys
  * and values read once, in place, from the page-major layout of kvrelay.core.kvlayout:
  *     pool[page][layer][k|v][kv_head][slot][dim]
- * Work item w = (sequence w / H, kv head w % H) covers that kv head's G query heads;
- * [lo, hi) lets the caller split the items between threads (each writes only its rows).
+ * Work item w = (sequence w / H, kv head w % H) covers that kv head's G query heads and
+ * writes only its own output rows; items in [lo, hi) are spread over OpenMP threads.
+ * Built with -fopenmp and loaded after torch, the library binds to torch's libgomp (same
+ * soname), so these threads are torch's own team, not a second one competing for cores.
  * Scores are computed in float32 in a first pass, softmax-normalised, then used to
- * accumulate values in a second pass.
+ * accumulate values in a second pass. Head dims 64 and 128 get fixed-size inner loops.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#define MAX_GROUP 16
 
 static inline float bf16_load(const uint16_t *p) {
     uint32_t u = (uint32_t)(*p) << 16;
@@ -25,57 +29,77 @@ static inline uint16_t bf16_round(float f) {
     return (uint16_t)(u >> 16);
 }
 
+#define F32_LOAD(p) (*(p))
+#define F32_STORE(x) (x)
+
+/* One work item, head dim DIM (a constant when specialised). */
+#define DEFINE_ITEM(NAME, T, LOAD, STORE, DIM_DECL, DIM)                                      \
+static void NAME(const T *pool, const int64_t *pages, int64_t n, const T *q, T *out,         \
+                 int64_t layer, int64_t L, int64_t H, int64_t h, int64_t G, int64_t S,       \
+                 DIM_DECL, float scale, float *scores) {                                     \
+    float qf[MAX_GROUP * DIM], acc[MAX_GROUP * DIM], row[DIM];                               \
+    const int64_t page_stride = L * 2 * H * S * DIM, head_stride = S * DIM;                  \
+    for (int64_t i = 0; i < G * DIM; ++i) qf[i] = LOAD(q + i) * scale;                       \
+    for (int64_t t = 0; t < n; ++t) {                                                        \
+        const T *k = pool + pages[t / S] * page_stride + (layer * 2 * H + h) * head_stride   \
+                     + (t % S) * DIM;                                                        \
+        for (int64_t d = 0; d < DIM; ++d) row[d] = LOAD(k + d);                              \
+        for (int64_t g = 0; g < G; ++g) {                                                    \
+            float dot = 0.f;                                                                 \
+            for (int64_t d = 0; d < DIM; ++d) dot += qf[g * DIM + d] * row[d];               \
+            scores[g * n + t] = dot;                                                         \
+        }                                                                                    \
+    }                                                                                        \
+    for (int64_t g = 0; g < G; ++g) {                                                        \
+        float *sg = scores + g * n, m = -INFINITY, sum = 0.f;                                \
+        for (int64_t t = 0; t < n; ++t) m = sg[t] > m ? sg[t] : m;                          \
+        for (int64_t t = 0; t < n; ++t) { sg[t] = expf(sg[t] - m); sum += sg[t]; }          \
+        const float inv = 1.f / sum;                                                         \
+        for (int64_t t = 0; t < n; ++t) sg[t] *= inv;                                       \
+    }                                                                                        \
+    for (int64_t i = 0; i < G * DIM; ++i) acc[i] = 0.f;                                      \
+    for (int64_t t = 0; t < n; ++t) {                                                        \
+        const T *v = pool + pages[t / S] * page_stride + ((layer * 2 + 1) * H + h)            \
+                     * head_stride + (t % S) * DIM;                                          \
+        for (int64_t d = 0; d < DIM; ++d) row[d] = LOAD(v + d);                              \
+        for (int64_t g = 0; g < G; ++g) {                                                    \
+            const float p = scores[g * n + t];                                               \
+            for (int64_t d = 0; d < DIM; ++d) acc[g * DIM + d] += p * row[d];                \
+        }                                                                                    \
+    }                                                                                        \
+    for (int64_t i = 0; i < G * DIM; ++i) out[i] = STORE(acc[i]);                            \
+}
+
 #define DEFINE_KERNEL(NAME, T, LOAD, STORE)                                                   \
+DEFINE_ITEM(NAME##_d64, T, LOAD, STORE, int64_t unused, 64)                                   \
+DEFINE_ITEM(NAME##_d128, T, LOAD, STORE, int64_t unused, 128)                                 \
 int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const T *q, T *out, \
          int64_t max_pages, int64_t layer, int64_t L, int64_t H, int64_t G, int64_t S,       \
          int64_t D, float scale, int64_t lo, int64_t hi) {                                   \
-    int64_t longest = 0;                                                                     \
+    if ((D != 64 && D != 128) || G > MAX_GROUP) return -2;                                   \
+    int64_t longest = 1;                                                                     \
     for (int64_t w = lo; w < hi; ++w)                                                        \
         if (kv_lens[w / H] > longest) longest = kv_lens[w / H];                              \
-    float *scores = malloc(sizeof(float) * (size_t)(G * (longest > 0 ? longest : 1)));     \
-    float *qf = malloc(sizeof(float) * (size_t)(G * D));                                     \
-    float *acc = malloc(sizeof(float) * (size_t)(G * D));                                    \
-    if (!scores || !qf || !acc) { free(scores); free(qf); free(acc); return -1; }            \
-    const int64_t page_stride = L * 2 * H * S * D, head_stride = S * D;                      \
-    for (int64_t w = lo; w < hi; ++w) {                                                      \
-        const int64_t b = w / H, h = w % H, n = kv_lens[b];                                  \
-        const int64_t *pages = page_table + b * max_pages;                                   \
-        for (int64_t g = 0; g < G; ++g)                                                      \
-            for (int64_t d = 0; d < D; ++d)                                                  \
-                qf[g * D + d] = LOAD(q + ((b * H + h) * G + g) * D + d) * scale;             \
-        for (int64_t t = 0; t < n; ++t) {                                                    \
-            const T *k = pool + pages[t / S] * page_stride + (layer * 2 * H + h) * head_stride \
-                         + (t % S) * D;                                                      \
-            for (int64_t g = 0; g < G; ++g) {                                                \
-                float dot = 0.f;                                                             \
-                for (int64_t d = 0; d < D; ++d) dot += qf[g * D + d] * LOAD(k + d);          \
-                scores[g * n + t] = dot;                                                     \
-            }                                                                                \
+    int failed = 0;                                                                          \
+    _Pragma("omp parallel reduction(|:failed)")                                              \
+    {                                                                                        \
+        float *scores = malloc(sizeof(float) * (size_t)(G * longest));                      \
+        if (!scores) failed = 1;                                                             \
+        _Pragma("omp for schedule(static)")                                                  \
+        for (int64_t w = lo; w < hi; ++w) {                                                  \
+            if (failed) continue;                                                            \
+            const int64_t b = w / H, h = w % H, off = ((b * H + h) * G) * D;                 \
+            if (D == 64)                                                                     \
+                NAME##_d64(pool, page_table + b * max_pages, kv_lens[b], q + off, out + off,  \
+                           layer, L, H, h, G, S, 0, scale, scores);                          \
+            else                                                                             \
+                NAME##_d128(pool, page_table + b * max_pages, kv_lens[b], q + off, out + off, \
+                            layer, L, H, h, G, S, 0, scale, scores);                         \
         }                                                                                    \
-        for (int64_t g = 0; g < G; ++g) {                                                    \
-            float *sg = scores + g * n, m = -INFINITY, sum = 0.f;                            \
-            for (int64_t t = 0; t < n; ++t) m = sg[t] > m ? sg[t] : m;                      \
-            for (int64_t t = 0; t < n; ++t) { sg[t] = expf(sg[t] - m); sum += sg[t]; }      \
-            for (int64_t t = 0; t < n; ++t) sg[t] /= sum;                                   \
-        }                                                                                    \
-        memset(acc, 0, sizeof(float) * (size_t)(G * D));                                     \
-        for (int64_t t = 0; t < n; ++t) {                                                    \
-            const T *v = pool + pages[t / S] * page_stride + ((layer * 2 + 1) * H + h)        \
-                         * head_stride + (t % S) * D;                                        \
-            for (int64_t g = 0; g < G; ++g) {                                                \
-                const float p = scores[g * n + t];                                           \
-                for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * LOAD(v + d);           \
-            }                                                                                \
-        }                                                                                    \
-        for (int64_t g = 0; g < G; ++g)                                                      \
-            for (int64_t d = 0; d < D; ++d)                                                  \
-                out[((b * H + h) * G + g) * D + d] = STORE(acc[g * D + d]);                  \
+        free(scores);                                                                        \
     }                                                                                        \
-    free(scores); free(qf); free(acc);                                                       \
-    return 0;                                                                                \
+    return failed ? -1 : 0;                                                                  \
 }
 
-#define F32_LOAD(p) (*(p))
-#define F32_STORE(x) (x)
 DEFINE_KERNEL(paged_decode_bf16, uint16_t, bf16_load, bf16_round)
 DEFINE_KERNEL(paged_decode_f32, float, F32_LOAD, F32_STORE)

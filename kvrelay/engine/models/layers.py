@@ -153,7 +153,7 @@ class AttnMeta:
     kv_lens: torch.Tensor      # [B] int64
 
     @classmethod
-    def build(cls, batch: ForwardBatch, rope: RotaryEmbedding, dtype: torch.dtype, kv) -> "AttnMeta":
+    def build(cls, batch: ForwardBatch, rope: RotaryEmbedding, dtype: torch.dtype, kv, group: int) -> "AttnMeta":
         cos, sin = rope.cos_sin(batch.positions, dtype)
         # A padded query row would be fully masked, and softmax over nothing is NaN: let it
         # see key 0. Its output is never gathered back, so real rows are unaffected.
@@ -164,7 +164,8 @@ class AttnMeta:
         slots = batch.q_valid.flatten().nonzero().squeeze(1)
         row_slot = torch.empty_like(slots).index_copy_(0, batch.q_index.flatten()[slots], slots)
         native = paged_decode() if max(batch.q_lens) == 1 and not batch.no_prefix else None
-        if native is not None and not native.supports(kv.data.dtype, batch.batch_size):
+        L = kv.layout
+        if native is not None and not native.supports(kv.data.dtype, L.head_dim, group):
             native = None
         read_rows = None if batch.no_prefix or native is not None else kv.row_ids(batch.page_table)
         return cls(cos, sin, mask, batch.q_index, row_slot, batch,

@@ -77,7 +77,7 @@ class LlamaForCausalLM(CausalLM):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
         h = self.model.embed_tokens(batch.input_ids)
-        meta = AttnMeta.build(batch, self.rotary, h.dtype, kv)
+        meta = AttnMeta.build(batch, self.rotary, h.dtype, kv, self.arch.num_heads // self.arch.num_kv_heads)
         for layer in self.model.layers:
             h = layer(h, meta, kv)
         h = self.model.norm(h[batch.logits_index])
