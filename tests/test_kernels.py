@@ -45,11 +45,34 @@ def test_unsupported_shapes_use_the_torch_path():
 
 
 def test_native_kernel_can_be_switched_off(monkeypatch):
+    caches = (kernels.native_library, kernels.paged_decode, kernels.elementwise)
     monkeypatch.setenv("KVRELAY_NATIVE", "0")
-    kernels.paged_decode.cache_clear()
+    for cache in caches:
+        cache.cache_clear()
     try:
-        assert kernels.paged_decode() is None
+        assert kernels.paged_decode() is None and kernels.elementwise() is None
     finally:
         monkeypatch.delenv("KVRELAY_NATIVE")
-        kernels.paged_decode.cache_clear()
-    assert kernels.paged_decode() is not None
+        for cache in caches:
+            cache.cache_clear()
+    assert kernels.paged_decode() is not None and kernels.elementwise() is not None
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_fused_add_rms_norm_and_silu_mul_match_torch(dtype, tol):
+    ew = kernels.elementwise()
+    gen = torch.Generator().manual_seed(1)
+    h = torch.randn(7, 96, generator=gen).to(dtype)
+    delta = torch.randn(7, 96, generator=gen).to(dtype)
+    w = torch.randn(96, generator=gen).to(dtype)
+    want_h = (h.float() + delta.float()).to(dtype)
+    want = F.rms_norm(want_h.float(), (96,), w.float(), 1e-6)
+    got_h = h.clone()
+    got = ew.add_rms_norm(got_h, delta, w, 1e-6)
+    assert torch.equal(got_h, want_h)                       # the stream holds the rounded sum
+    assert (got.float() - want).abs().max().item() < tol
+    plain = ew.add_rms_norm(h.clone(), None, w, 1e-6)
+    assert (plain.float() - F.rms_norm(h.float(), (96,), w.float(), 1e-6)).abs().max().item() < tol
+    gate_up = torch.randn(5, 2 * 40, generator=gen).to(dtype)
+    want_act = F.silu(gate_up[:, :40].float()) * gate_up[:, 40:].float()
+    assert (ew.silu_mul(gate_up).float() - want_act).abs().max().item() < tol

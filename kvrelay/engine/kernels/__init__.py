@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("kvrelay.kernels")
-SOURCE = Path(__file__).with_name("paged_attention.c")
+SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "elementwise.c")]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-fopenmp"]
 _I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -32,19 +32,19 @@ def cache_dir() -> Path:
 def _build() -> Path | None:
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
-        log.warning("no C compiler found: decode attention uses the torch fallback")
+        log.warning("no C compiler found: using the torch fallbacks")
         return None
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"paged_attention-{digest}.so"
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join([cc, *FLAGS]).encode())
+    target = cache_dir() / f"kvrelay-kernels-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+    proc = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
-        log.warning("building the native decode kernel failed; using the torch fallback:\n%s", proc.stderr)
+        log.warning("building the native kernels failed; using the torch fallbacks:\n%s", proc.stderr)
         return None
     os.replace(tmp, target)  # atomic: concurrent builders never load a half-written file
     return target
@@ -83,13 +83,58 @@ class PagedDecode:
         return out
 
 
+class Elementwise:
+    """Fused residual-add + RMSNorm and SiLU-and-multiply, in place of 4-8 torch ops (and
+    their bf16<->float32 copies) each."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._norm = {torch.bfloat16: lib.add_rms_norm_bf16, torch.float32: lib.add_rms_norm_f32}
+        self._silu = {torch.bfloat16: lib.silu_mul_bf16, torch.float32: lib.silu_mul_f32}
+        for fn in self._norm.values():
+            fn.restype, fn.argtypes = None, [_P, _P, _P, _P, _I64, _I64, _F32]
+        for fn in self._silu.values():
+            fn.restype, fn.argtypes = None, [_P, _P, _I64, _I64]
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        return dtype in self._norm
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """h += delta (in place, when given); returns rmsnorm(h) * weight. h contiguous [T, dim]."""
+        out = torch.empty_like(h)
+        if delta is not None:
+            delta = delta.contiguous()
+        self._norm[h.dtype](h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+                            out.data_ptr(), h.shape[0], h.shape[1], eps)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate_up = gate_up.contiguous()
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = gate_up.new_empty(rows, inter)
+        self._silu[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, inter)
+        return out
+
+
 @lru_cache(maxsize=1)
-def paged_decode() -> PagedDecode | None:
+def native_library() -> ctypes.CDLL | None:
     if os.environ.get("KVRELAY_NATIVE", "1") == "0":
         return None
     try:
         path = _build()
-        return PagedDecode(ctypes.CDLL(str(path))) if path else None
+        return ctypes.CDLL(str(path)) if path else None
     except OSError as exc:
-        log.warning("loading the native decode kernel failed (%s); using the torch fallback", exc)
+        log.warning("loading the native kernels failed (%s); using the torch fallbacks", exc)
         return None
+
+
+@lru_cache(maxsize=1)
+def paged_decode() -> PagedDecode | None:
+    lib = native_library()
+    return PagedDecode(lib) if lib is not None else None
+
+
+@lru_cache(maxsize=1)
+def elementwise() -> Elementwise | None:
+    lib = native_library()
+    return Elementwise(lib) if lib is not None else None

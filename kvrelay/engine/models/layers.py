@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.engine.forward import ForwardBatch
-from kvrelay.engine.kernels import PagedDecode, paged_decode
+from kvrelay.engine.kernels import PagedDecode, elementwise, paged_decode
 
 
 # oneDNN weight packing: the packed layout serves every row count; 32 is only its tuning hint.
@@ -54,8 +54,9 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """torch's fused RMSNorm (it accumulates in float32). In bfloat16 it rounds once where
-    the Hugging Face reference rounds twice: at most one ulp apart, and twice as fast."""
+    """RMSNorm that accumulates in float32 and rounds once (the Hugging Face reference
+    rounds twice in bfloat16: at most one ulp apart). `add_and_norm` also folds in the
+    residual add before it, natively when the kernels are built."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -63,7 +64,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.add_and_norm(x.contiguous().clone(), None)[0]
+
+    def add_and_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(h + delta), h + delta); `h` (contiguous, owned by the caller's residual
+        stream) is updated in place."""
+        ew = elementwise()
+        if ew is not None and ew.supports(h.dtype) and h.is_contiguous():
+            return ew.add_rms_norm(h, delta, self.weight, self.eps), h
+        if delta is not None:
+            h += delta
+        return F.rms_norm(h, self.weight.shape, self.weight, self.eps), h
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -133,7 +144,11 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ew = elementwise()
+        if ew is not None and ew.supports(gate_up.dtype):
+            return self.down_proj(ew.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

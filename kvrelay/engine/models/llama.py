@@ -42,9 +42,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = SwiGLU(arch.hidden_size, arch.intermediate_size)
 
-    def forward(self, h: torch.Tensor, meta: AttnMeta, kv) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), meta, kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, meta: AttnMeta, kv):
+        """Residual stream `h` plus the previous layer's pending output `delta` ->
+        (new stream, this layer's pending MLP output). Each add is fused into the norm
+        that follows it; `h` is updated in place."""
+        x, h = self.input_layernorm.add_and_norm(h, delta)
+        x, h = self.post_attention_layernorm.add_and_norm(h, self.self_attn(x, meta, kv))
+        return h, self.mlp(x)
 
 
 class LlamaModel(nn.Module):
@@ -78,9 +82,11 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
         h = self.model.embed_tokens(batch.input_ids)
         meta = AttnMeta.build(batch, self.rotary, h.dtype, kv, self.arch.num_heads // self.arch.num_kv_heads)
+        delta = None
         for layer in self.model.layers:
-            h = layer(h, meta, kv)
-        h = self.model.norm(h[batch.logits_index])
+            h, delta = layer(h, delta, meta, kv)
+        rows = batch.logits_index
+        h, _ = self.model.norm.add_and_norm(h[rows], delta[rows])
         if self.lm_head is not None:
             return self.lm_head(h).float()
         return fast_linear(h, self.model.embed_tokens.weight, None, self._head_packed).float()
