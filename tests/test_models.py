@@ -217,3 +217,17 @@ def test_default_model_says_paris(default_pair):
     finally:
         sess.close()
     assert loaded.tokenizer.decode(logits.argmax(-1)).strip() == "Paris"
+
+
+def test_bfloat16_logits_resolve_near_ties_in_float32():
+    from kvrelay.engine.models.layers import REFINE_TOP, lm_head_logits
+
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(4, 64, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(5000, 64, generator=gen) * 3).to(torch.bfloat16)
+    got = lm_head_logits(h, w, None)
+    exact = h.float() @ w.float().t()
+    rounded = torch.nn.functional.linear(h, w).float()              # what bf16 alone gives
+    top = rounded.topk(REFINE_TOP, dim=-1).indices                   # the candidates refined
+    assert torch.allclose(got.gather(1, top), exact.gather(1, top), atol=1e-4)
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))

@@ -37,6 +37,22 @@ def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+REFINE_TOP = 8
+
+
+def lm_head_logits(h: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+    """float32 logits [B, vocab]. A bfloat16 matmul rounds its output to bfloat16, 1/8 apart
+    at |logit| ~ 25, which makes near-ties between the best tokens (seen: "The" vs "L" at
+    the start of the default model's answer). The REFINE_TOP best are recomputed with a
+    float32 dot product, so greedy picks what full-precision accumulation would."""
+    logits = fast_linear(h, weight, None, packed).float()
+    if h.dtype == torch.float32:
+        return logits
+    top = logits.topk(min(REFINE_TOP, logits.shape[-1]), dim=-1).indices            # [B, k]
+    exact = torch.einsum("bd,bkd->bk", h.float(), weight[top].float())
+    return logits.scatter_(1, top, exact)
+
+
 def pack_weight(w: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_HINT_ROWS) if _packable(w) else None
 

@@ -13,7 +13,7 @@ from torch import nn
 from kvrelay.engine.forward import ForwardBatch
 from kvrelay.engine.models.base import MODELS, ArchConfig, CausalLM, ModelLoadError
 from kvrelay.engine.models.layers import (AttnMeta, Linear, PagedAttention, RMSNorm, RotaryEmbedding, SwiGLU,
-                                          apply_rope, fast_linear, pack_weight)
+                                          apply_rope, lm_head_logits, pack_weight)
 
 # Checkpoint entries that hold no weight of ours.
 _IGNORED = ("rotary_emb.inv_freq",)
@@ -88,8 +88,8 @@ class LlamaForCausalLM(CausalLM):
         rows = batch.logits_index
         h, _ = self.model.norm.add_and_norm(h[rows], delta[rows])
         if self.lm_head is not None:
-            return self.lm_head(h).float()
-        return fast_linear(h, self.model.embed_tokens.weight, None, self._head_packed).float()
+            return lm_head_logits(h, self.lm_head.weight, self.lm_head.packed)
+        return lm_head_logits(h, self.model.embed_tokens.weight, self._head_packed)
 
     def prepare(self) -> None:
         for module in self.modules():
