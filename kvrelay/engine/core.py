@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -42,13 +41,6 @@ def num_pages_for(cfg: KVCacheConfig, layout: KVLayout) -> int:
     return max(1, int(cfg.kv_cache_gb * 2**30) // layout.page_bytes)
 
 
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-
-
 class EngineCore:
     def __init__(self, loaded, kv_cfg: KVCacheConfig, sched_cfg: SchedulerConfig,
                  clock: Clock | None = None, kv_buffer: memoryview | None = None,
@@ -67,7 +59,6 @@ class EngineCore:
         # The engine thread detokenizes with its own copy: a Rust tokenizer must not be
         # used from two threads at once, and the server encodes on its event loop.
         self._tokenizer = copy.deepcopy(loaded.tokenizer)
-        self.stats = EngineStats()
         self._sinks: dict[str, Sink] = {}
         self._reqs: dict[str, Req] = {}
 
@@ -120,7 +111,6 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch.empty:
             return
-        self.stats.steps += 1
         try:
             if batch.prefill:
                 self._run_prefill(batch.prefill)
@@ -135,7 +125,6 @@ class EngineCore:
     def _run_prefill(self, items: list[PrefillItem]) -> None:
         chunks = [SeqChunk(i.req.tokens(i.start, i.start + i.length), i.start, i.req.pages) for i in items]
         logits = self.runner.prefill(chunks)
-        self.stats.prefill_tokens += sum(i.length for i in items)
         self.scheduler.on_prefill_done(items)
         done = [(row, i.req) for row, i in enumerate(items) if i.completes]
         if done:
@@ -145,7 +134,6 @@ class EngineCore:
     def _run_decode(self, reqs: list[Req]) -> None:
         logits = self.runner.decode([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs],
                                     [r.seq_len - 1 for r in reqs], [r.pages for r in reqs])
-        self.stats.decode_tokens += len(reqs)
         self.scheduler.on_decode_done(reqs)
         self._sample_and_emit(reqs, logits)
 

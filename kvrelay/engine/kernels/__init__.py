@@ -19,6 +19,7 @@ import torch
 
 log = logging.getLogger("kvrelay.kernels")
 SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "elementwise.c")]
+HEADERS = [Path(__file__).with_name("bf16.h")]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-fopenmp"]
 _I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -34,7 +35,7 @@ def _build() -> Path | None:
     if cc is None:
         log.warning("no C compiler found: using the torch fallbacks")
         return None
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join([cc, *FLAGS]).encode())
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join([cc, *FLAGS]).encode())
     target = cache_dir() / f"kvrelay-kernels-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target

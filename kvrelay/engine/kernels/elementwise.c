@@ -8,22 +8,8 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_load(const uint16_t *p) {
-    uint32_t u = (uint32_t)(*p) << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "bf16.h"
 
-static inline uint16_t bf16_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-#define F32_LOAD(p) (*(p))
-#define F32_STORE(x) (x)
 /* The value an unfused add would have stored: rounded through the storage dtype. */
 #define BF16_ROUNDTRIP(x) bf16_load(&(uint16_t){bf16_round(x)})
 #define F32_ROUNDTRIP(x) (x)
