@@ -89,6 +89,36 @@ class TransferConfig:
 
 
 @dataclass(frozen=True)
+class RouterConfig:
+    prefill: tuple[str, ...] = _f((), "prefill worker URLs (http://host:port)", nargs="+")
+    decode: tuple[str, ...] = _f((), "decode worker URLs (http://host:port)", nargs="+")
+    request_timeout: float = _f(600.0, "end-to-end deadline of one request, seconds")
+    max_queued_requests: int = _f(256, "requests the router holds at once; beyond it new ones get 503")
+    health_interval: float = _f(1.0, "seconds between health checks of each worker")
+    health_timeout: float = _f(2.0, "a health check slower than this counts as failed, seconds")
+
+    def __post_init__(self) -> None:
+        _require(self.request_timeout > 0, "--request-timeout must be positive")
+        _require(self.max_queued_requests >= 1, "--max-queued-requests must be at least 1")
+        _require(self.health_interval > 0, "--health-interval must be positive")
+        _require(self.health_timeout > 0, "--health-timeout must be positive")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    num_prefill: int = _f(1, "prefill workers `kvrelay serve` starts on this host")
+    num_decode: int = _f(1, "decode workers `kvrelay serve` starts on this host")
+    worker_threads: int | None = _f(None, "torch threads per worker (default: the cores divided "
+                                    "among the workers)")
+    startup_timeout: float = _f(600.0, "seconds to wait for every worker to become ready")
+
+    def __post_init__(self) -> None:
+        _require(self.num_prefill >= 1, "--num-prefill must be at least 1")
+        _require(self.num_decode >= 1, "--num-decode must be at least 1")
+        _require(self.worker_threads is None or self.worker_threads >= 1, "--worker-threads must be at least 1")
+
+
+@dataclass(frozen=True)
 class KVRelayConfig:
     model: ModelOptions = field(default_factory=ModelOptions)
     kv: KVCacheConfig = field(default_factory=KVCacheConfig)
@@ -96,3 +126,27 @@ class KVRelayConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+
+def to_cli_args(section: object) -> list[str]:
+    """The flags that reproduce `section`'s non-default values: the inverse of the flags
+    `kvrelay.cli` generates from the same fields (`max_kv_tokens` -> `--max-kv-tokens`,
+    bools as `--x`/`--no-x`, tuples as one flag with several values). Every optional field
+    defaults to None, so a None value is always a default and never needs a flag."""
+    from dataclasses import fields
+
+    args: list[str] = []
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, tuple):
+            args += [flag, *map(str, value)]
+        else:
+            args += [flag, str(value)]
+    return args

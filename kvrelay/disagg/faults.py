@@ -10,8 +10,10 @@ Spec syntax (`--fault-spec` or env KVRELAY_FAULTS): `key=value` pairs joined by 
     drop:<Kind>=P     drop messages of one wire kind, e.g. drop:Destination=1
     hang_transfer=P   a data write never completes (and never confirms it stopped)
     fail_transfer=P   a data write fails
+    ignore_aux=P      (decode side) ignore an arriving Aux: the transfer never completes here,
+                      so this worker never acknowledges it (the stuck-inflight scenario)
     seed=N            RNG seed (default 0)
-Faults act on what THIS worker sends; data frames (messages carrying raw frames) are never
+Faults act on what THIS worker sends (ignore_aux: on what it receives); data frames (messages carrying raw frames) are never
 touched by the control-message faults. Unknown keys are an error, so a typo fails loudly.
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ from kvrelay.disagg import wire
 from kvrelay.disagg.channel import Channel, Frame, Received
 
 _KEYS = ("drop_ctrl", "delay_ctrl", "dup_ctrl", "reorder_ctrl", "drop_ack", "drop_heartbeat",
-         "hang_transfer", "fail_transfer")
+         "hang_transfer", "fail_transfer", "ignore_aux")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class FaultSpec:
     drop_heartbeat: float = 0.0
     hang_transfer: float = 0.0
     fail_transfer: float = 0.0
+    ignore_aux: float = 0.0
     drop_kinds: dict = field(default_factory=dict)  # {wire kind: probability}
     seed: int = 0
 
@@ -75,7 +78,7 @@ class FaultSpec:
 
     @property
     def any(self) -> bool:
-        return self.any_ctrl or bool(self.hang_transfer or self.fail_transfer)
+        return self.any_ctrl or bool(self.hang_transfer or self.fail_transfer or self.ignore_aux)
 
 
 class Faults:

@@ -121,6 +121,7 @@ class Lifecycle:
         self.rooms: dict[int, Room] = {}
         self.events: deque[TerminalEvent] = deque(maxlen=10_000)
         self.terminal_counts: Counter = Counter()  # (phase, reason) -> n
+        self.on_leave: Callable[[str, float], None] | None = None  # (phase left, seconds in it)
 
     def add(self, room: int, rid: str, peer: str | None = None) -> Room:
         if room in self.rooms:
@@ -139,14 +140,20 @@ class Lifecycle:
         if phase not in self.transitions.get(r.phase, ()):
             raise TransitionError(f"{self.side} room {room}: {phase_name(r.phase)} -> {phase_name(phase)}")
         now = self.clock.now()
+        self._left(r, now)
         r.phase, r.entered, r.deadline = phase, now, self._deadline(phase, now)
         return r
+
+    def _left(self, r: Room, now: float) -> None:
+        if self.on_leave is not None:
+            self.on_leave(phase_name(r.phase), now - r.entered)
 
     def end(self, room: int, phase, reason: str | None = None, detail: str = "") -> TerminalEvent:
         r = self.rooms[room]
         if phase not in self.transitions.get(r.phase, ()):
             raise TransitionError(f"{self.side} room {room}: {phase_name(r.phase)} -> {phase_name(phase)}")
         del self.rooms[room]
+        self._left(r, self.clock.now())
         ev = TerminalEvent(self.side, room, r.rid, phase_name(phase), phase_name(r.phase),
                            reason, detail, self.clock.now() - r.created)
         self.events.append(ev)

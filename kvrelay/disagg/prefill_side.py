@@ -9,6 +9,9 @@ Invariants:
   its terminal event says why. `prefill_done` on a room that already ended does nothing.
 - A room leaves `transfer` only on D's ack (or D's heartbeat showing it decoding, when the
   ack was lost) or on a terminal failure; the sender is aborted on every failure.
+- A room whose KV and aux are all out, while D's heartbeats keep listing it as waiting,
+  fails after `heartbeat_misses` of them (transfer_error): an unacknowledged transfer
+  never outlives the lease.
 """
 from __future__ import annotations
 
@@ -112,8 +115,19 @@ class PrefillSide(Coordinator):
                 self._done(r)  # D decodes only after aux, which is sent last: the ack was lost
             elif r.phase is not PPhase.TRANSFER:
                 self._fail(r, Reason.PEER_FAILED.value, f"decode side is {phase} before the transfer")
-        elif phase == "waiting" and r.phase is PPhase.TRANSFER:
-            self._senders[r.room].resend()  # the aux may have been lost
+        elif phase == "waiting" and r.phase is PPhase.TRANSFER and self._senders[r.room].aux_sent:
+            self._unacked(r)
+
+    def _unacked(self, r: Room) -> None:
+        """D is alive and still waiting although every byte and the aux went out: resend the
+        aux (it may have been lost), and give up after `heartbeat_misses` such heartbeats.
+        This bounds the transfer phase by the lease, not by --transfer-timeout."""
+        n = r.data["unacked"] = r.data.get("unacked", 0) + 1
+        if n > self.cfg.heartbeat_misses:
+            self._fail(r, Reason.TRANSFER_ERROR.value,
+                       f"decode side did not acknowledge the KV within {n - 1} heartbeats of receiving it")
+        else:
+            self._senders[r.room].resend()
 
     def _backend_status(self, r: Room) -> str:
         return self._senders[r.room].poll().name.lower()

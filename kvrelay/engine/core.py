@@ -20,7 +20,7 @@ from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.kv_pool import KVPool
 from kvrelay.engine.request import Req, ReqStatus
 from kvrelay.engine.runner import ModelRunner, SeqChunk
-from kvrelay.engine.sampling import Sampler, SamplingState
+from kvrelay.engine.sampling import SampleResult, Sampler, SamplingState
 from kvrelay.engine.scheduler import PrefillItem, Scheduler, pages_for
 from kvrelay.engine.types import FinishReason, GenerateRequest, RequestRejected, StepOutput
 from kvrelay.obs.metrics import Snapshot, ServingMetrics
@@ -86,6 +86,20 @@ class EngineCore:
                 f"({self.capacity_tokens} tokens); lower max_tokens or raise --max-kv-tokens", param="max_tokens")
 
     def add(self, greq: GenerateRequest, sink: Sink, prefill_only: bool = False) -> None:
+        """Queue a request. `prefill_only`: it ends right after its first token, and
+        `_handoff` sees it before its pages are freed (the prefill worker)."""
+        self.scheduler.add(self._new_req(greq, sink, prefill_only))
+
+    def add_prefilled(self, greq: GenerateRequest, sink: Sink, pages: list[int], first: SampleResult) -> None:
+        """A request whose prompt KV is already in `pages` (owned by `greq.rid` in the
+        allocator) and whose first token was sampled elsewhere: it joins the running batch,
+        and `first` is emitted as its first output (the decode worker)."""
+        req = self._new_req(greq, sink)
+        req.pages, req.num_computed = list(pages), req.prompt_len
+        self.scheduler.add_running(req)
+        self._emit(req, self._append_token(req, first))
+
+    def _new_req(self, greq: GenerateRequest, sink: Sink, prefill_only: bool = False) -> Req:
         self.validate(greq)
         if greq.rid in self._reqs:
             raise RequestRejected(f"request id {greq.rid} is already live", param="rid")
@@ -94,7 +108,7 @@ class EngineCore:
         req.detok = IncrementalDetokenizer(self._tokenizer, req.prompt_ids, greq.params.stop)
         self._reqs[req.rid] = req
         self._sinks[req.rid] = sink
-        self.scheduler.add(req)
+        return req
 
     def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> None:
         req = self._reqs.get(rid)
@@ -104,7 +118,19 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
+        """A forward pass is due: the loop runs `step()` without waiting."""
         return self.scheduler.num_requests > 0
+
+    @property
+    def busy(self) -> bool:
+        """Anything is live (what `AsyncEngine.check_idle` waits out)."""
+        return self.has_work
+
+    @property
+    def idle_wait(self) -> float:
+        """With no forward due, the loop waits at most this long for a command before the
+        next `step()` (a worker core shortens it while peers owe it messages)."""
+        return 0.05
 
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> None:
@@ -158,8 +184,14 @@ class EngineCore:
         if reason is not None:
             if not stopped:
                 out.text += req.detok.flush()
+            if req.prefill_only:
+                self._handoff(req, res)
             self._finish(req, reason)
         return out
+
+    def _handoff(self, req: Req, first: SampleResult) -> None:
+        """A prefill-only request has its first token; its pages are freed right after this
+        returns unless an override takes them over (`allocator.transfer`)."""
 
     def _finish(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
         self.scheduler.finish(req, reason, error)

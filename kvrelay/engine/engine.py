@@ -65,12 +65,12 @@ class AsyncEngine(EngineClient):
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain(block=not self.core.has_work)
-            if self.core.has_work:
-                self.core.step()
+            self.core.step()  # also when idle: a worker core's lifecycle steps every iteration
 
     def _drain(self, block: bool) -> None:
         try:
-            cmd = self._inbox.get(timeout=self._idle_wait) if block else self._inbox.get_nowait()
+            wait = min(self._idle_wait, self.core.idle_wait)
+            cmd = self._inbox.get(timeout=wait) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -83,9 +83,9 @@ class AsyncEngine(EngineClient):
     def _run(self, cmd: tuple) -> None:
         kind, *args = cmd
         if kind == "add":
-            greq, sink, prefill_only, fut = args
+            greq, sink, add_kwargs, fut = args
             try:
-                self.core.add(greq, sink, prefill_only)
+                self.core.add(greq, sink, **add_kwargs)
                 fut.set_result(None)
             except Exception as exc:  # rejected: the caller raises it, the loop goes on
                 fut.set_exception(exc)
@@ -105,7 +105,8 @@ class AsyncEngine(EngineClient):
         return fut.result(timeout)
 
     # -- EngineClient ----------------------------------------------------------------------
-    async def generate(self, request: GenerateRequest, prefill_only: bool = False) -> AsyncIterator[StepOutput]:
+    async def generate(self, request: GenerateRequest, **add_kwargs) -> AsyncIterator[StepOutput]:
+        """`add_kwargs` go to `core.add` (a worker core's room, peer address, ...)."""
         self.core.validate(request)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
@@ -114,7 +115,7 @@ class AsyncEngine(EngineClient):
         try:
             # Inside the try: a consumer cancelled while the add is in flight still aborts
             # (the inbox is FIFO, so the abort lands after the add).
-            self._inbox.put(("add", request, _sink_for(loop, outputs), prefill_only, added))
+            self._inbox.put(("add", request, _sink_for(loop, outputs), add_kwargs, added))
             await asyncio.wrap_future(added)
             while not finished:
                 out = await outputs.get()
@@ -131,7 +132,7 @@ class AsyncEngine(EngineClient):
     def check_idle(self, timeout: float = 10.0) -> None:
         """Wait until the engine holds no request, then prove that nothing leaked."""
         deadline = time.monotonic() + timeout
-        while self.call(lambda core: core.has_work) and time.monotonic() < deadline:
+        while self.call(lambda core: core.busy) and time.monotonic() < deadline:
             time.sleep(0.05)
         self.call(lambda core: core.check_idle())
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -22,6 +22,8 @@ class Snapshot:
     phases: dict[str, list[float]] = field(default_factory=dict)  # phase -> ages (s) of live requests
     kv_pages_free: int = 0
     kv_pages_total: int = 0
+    counters: dict[str, float] = field(default_factory=dict)  # name -> monotonically growing total
+    gauges: dict[str, float] = field(default_factory=dict)    # name -> current value
 
 
 class _SnapshotCollector:
@@ -41,7 +43,16 @@ class _SnapshotCollector:
         free.add_metric([self.role], snap.kv_pages_free)
         total = GaugeMetricFamily("kvrelay_kv_pages_total", "Total KV pages", labels=["role"])
         total.add_metric([self.role], snap.kv_pages_total)
-        return [count, oldest, free, total]
+        extra = []
+        for name, value in snap.counters.items():
+            c = CounterMetricFamily(name, name.replace("_", " "), labels=["role"])
+            c.add_metric([self.role], value)
+            extra.append(c)
+        for name, value in snap.gauges.items():
+            g = GaugeMetricFamily(name, name.replace("_", " "), labels=["role"])
+            g.add_metric([self.role], value)
+            extra.append(g)
+        return [count, oldest, free, total, *extra]
 
 
 class ServingMetrics:

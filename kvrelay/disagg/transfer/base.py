@@ -76,6 +76,7 @@ class WriteJob:
     detail: str = ""
     handle: Any = None
     fault: str | None = None  # injected: "hang" (never started, never stops) or "fail"
+    started: float = 0.0      # manager clock when the write started
 
     def finish(self) -> None:
         if self.state is WriteState.PENDING:
@@ -122,6 +123,7 @@ class KVSender(ABC):
 
     failure_reason: str | None
     failure_detail: str
+    aux_sent: bool             # every byte landed and aux went out: only D's ack is missing
     peer_address: str | None   # D's control address once the destination is known
     epoch: int | None
     dest: wire.Destination | None  # D's destination once init() ran

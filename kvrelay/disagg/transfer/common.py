@@ -131,6 +131,7 @@ class CommonSender(_Endpoint, KVSender):
             self._fail("transfer_error", job.detail or "write failed")
         elif job.state is WriteState.DONE and not self.aux_sent:
             self.aux_sent = True
+            self.m.record_write(job)
             self.resend()
 
     def _send_stopped(self) -> None:
@@ -283,6 +284,9 @@ class CommonManager(TransferManager):
         self._owner: dict[int, tuple[int, int]] = {}     # D page -> (room, epoch) of its receiver
         self._heartbeats: list[tuple[str, wire.Heartbeat]] = []
         self._await_peer: dict[str, list[Received]] = {}   # Destinations from a peer not yet learned
+        self.bytes_written = 0       # P: KV bytes of completed writes
+        self.write_seconds = 0.0     # P: their summed durations (start to every byte landed)
+        self.writes_done = 0
 
     # ---- backend hooks (see module docstring) ----------------------------------------
     def allocate_pool(self, num_pages: int) -> memoryview:
@@ -330,7 +334,13 @@ class CommonManager(TransferManager):
             rcv._maybe_done()
 
     # ---- jobs (fault hook in front of the backend) --------------------------------------
+    def record_write(self, job: WriteJob) -> None:
+        self.bytes_written += sum(n for _, _, n in job.runs)
+        self.write_seconds += self.clock.now() - job.started
+        self.writes_done += 1
+
     def start_job(self, job: WriteJob) -> None:
+        job.started = self.clock.now()
         job.fault = self.faults.transfer_fault()
         if job.fault == "fail":
             job.fail("injected transfer failure")
@@ -485,7 +495,7 @@ class CommonManager(TransferManager):
                 rcv.on_notice(msg)
             if snd is None and rcv is None and room not in self._closed:
                 self._buffer_early(room, r)
-        elif isinstance(msg, wire.Aux) and rcv is not None:
+        elif isinstance(msg, wire.Aux) and rcv is not None and not self.faults.hit(self.faults.spec.ignore_aux):
             rcv.on_aux(msg)
         elif isinstance(msg, wire.Stopped) and rcv is not None:
             rcv.on_stopped(msg)

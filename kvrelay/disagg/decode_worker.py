@@ -1,0 +1,102 @@
+"""The decode worker's core: the engine plus the decode side of the lifecycle, stepped
+together on the engine thread.
+
+A leg goes: `add` (bootstrap: learn P's endpoint, reserve pages, waiting while the pool
+is full) -> waiting (destination sent; KV and aux arriving) -> `take_ready`: the pages
+change owner from the room to the request, which joins the running batch with the first
+token from aux (decode) -> the engine finishes it -> `side.finish`. Continuous batching,
+sampling and stop handling are the engine's.
+
+Invariants:
+- Reserved pages are owned by `("room", room)` until the request enters the engine; after
+  that the engine owns them (under its rid) and frees them when it finishes the request,
+  so `_release_room` then finds nothing to free.
+- The sink sees the engine's outputs while decoding; before that, only the final error or
+  abort output of a room that ended early.
+"""
+from __future__ import annotations
+
+from kvrelay.disagg.decode_side import DecodeSide
+from kvrelay.disagg.lifecycle import DPhase, TerminalEvent, phase_name
+from kvrelay.disagg.worker_core import Leg, WorkerCore, reason_of
+from kvrelay.engine.sampling import SampleResult
+from kvrelay.engine.scheduler import pages_for
+from kvrelay.engine.types import FinishReason, GenerateRequest, StepOutput, TokenLogprob
+
+
+class DecodeCore(WorkerCore):
+    role = "decode"
+    PHASES = tuple(phase_name(p) for p in (DPhase.BOOTSTRAP, DPhase.WAITING, DPhase.DECODE))
+    QUEUED_PHASES = ("bootstrap", "waiting")
+
+    _epoch = 0  # bumped per reservation
+
+    def _make_side(self) -> DecodeSide:
+        return DecodeSide(self.lifecycle_cfg, self.manager, self.clock, self._reserve, self._release_room,
+                          on_terminal=self._on_terminal, capacity=self.kv.num_pages)
+
+    # ---- legs ----------------------------------------------------------------------------
+    def add(self, greq: GenerateRequest, sink, room: int, prefill_address: str) -> None:  # type: ignore[override]
+        self.validate_leg(greq)
+        self._add_leg(Leg(greq, sink, room))
+        self.side.add(room, greq.rid, prefill_address, pages_for(len(greq.prompt_ids), self.layout.page_size))
+
+    def _reserve(self, room: int, n: int) -> tuple[list[int], int] | None:
+        pages = self.allocator.allocate(n, ("room", room))
+        if pages is None:
+            return None
+        self._epoch += 1  # a new epoch per reservation: a late write for an old one is recognisable
+        return pages, self._epoch
+
+    def _release_room(self, room: int, pages: list[int]) -> None:
+        self.allocator.free(("room", room))
+
+    def step(self) -> None:
+        self.side.step()
+        for room, aux in self.side.take_ready():
+            self._start_decode(room, aux)
+        super().step()
+
+    def _start_decode(self, room: int, aux) -> None:
+        leg = self.legs[room]
+        rid, params = leg.greq.rid, leg.greq.params
+        pages = self.side.lc.rooms[room].data["pages"]
+        self.allocator.transfer(("room", room), rid)
+        lp = None
+        if params.logprobs is not None and aux.logprob is not None:
+            lp = TokenLogprob(aux.first_token, aux.logprob, tuple(aux.top_logprobs)[:params.logprobs])
+        leg.in_engine = True
+        self.add_prefilled(leg.greq, self._engine_sink(leg), pages, SampleResult(aux.first_token, lp))
+
+    def _engine_sink(self, leg: Leg):
+        def sink(out: StepOutput) -> None:
+            self._answer(leg, out)
+            if not out.finished:
+                return
+            leg.in_engine = False
+            if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                self.side.finish(leg.room)
+            else:
+                self.side.abort(leg.room, *reason_of(out))
+        return sink
+
+    def _on_terminal(self, ev: TerminalEvent) -> None:
+        self._record_terminal(ev)
+        leg = self._pop_leg(ev.room)
+        if leg is None or leg.answered:
+            return
+        if leg.in_engine:  # ended while decoding (abort, --max-request-time): the engine answers
+            aborted = ev.phase == "aborted"
+            super().abort(leg.greq.rid, FinishReason.ABORT if aborted else FinishReason.ERROR,
+                          None if aborted else f"{ev.reason}: {ev.detail}")
+        else:
+            self._answer(leg, self._failed_output(leg, ev))
+
+    def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> None:
+        room = self.room_of.get(rid)
+        if room is None:
+            super().abort(rid, reason, error)
+        elif self.legs[room].in_engine:
+            super().abort(rid, reason, error)  # the engine sink ends the room
+        else:
+            self.side.abort(room, *reason_of(StepOutput(rid, finish_reason=reason, error=error)))

@@ -1,0 +1,90 @@
+"""The prefill worker's core: the engine plus the prefill side of the lifecycle, stepped
+together on the engine thread.
+
+A leg goes: `add` (bootstrap: waiting for D's destination) -> queued -> handed to the
+engine as a prefill-only request (prefill) -> `_handoff`: its pages change owner from the
+request to the room, and the transfer starts (transfer) -> D's ack, or any failure, ends
+the room and frees the pages (`_release_room`). The leg's sink gets exactly one output,
+when the room ends: finish_reason LENGTH for done, else ERROR/ABORT with the reason.
+
+Invariants:
+- Pages of a room in transfer are owned by `("room", room)` in the engine's allocator; a
+  room that ends before its prefill finished is aborted in the engine, which frees them.
+- `heartbeat()` runs from `step()`, i.e. from the scheduler loop: a hung loop stops beating.
+"""
+from __future__ import annotations
+
+from kvrelay.disagg import wire
+from kvrelay.disagg.lifecycle import PPhase, TerminalEvent, phase_name
+from kvrelay.disagg.prefill_side import PrefillSide
+from kvrelay.disagg.worker_core import Leg, WorkerCore, reason_of
+from kvrelay.engine.request import Req
+from kvrelay.engine.sampling import SampleResult
+from kvrelay.engine.types import FinishReason, GenerateRequest, StepOutput
+
+
+class PrefillCore(WorkerCore):
+    role = "prefill"
+    PHASES = tuple(phase_name(p) for p in (PPhase.BOOTSTRAP, PPhase.QUEUED, PPhase.PREFILL, PPhase.TRANSFER))
+    QUEUED_PHASES = ("bootstrap", "queued")
+
+    def _make_side(self) -> PrefillSide:
+        return PrefillSide(self.lifecycle_cfg, self.manager, self.clock, self._release_room,
+                           on_terminal=self._on_terminal)
+
+    # ---- legs ----------------------------------------------------------------------------
+    def add(self, greq: GenerateRequest, sink, room: int) -> None:  # type: ignore[override]
+        self.validate_leg(greq)
+        self._add_leg(Leg(greq, sink, room))
+        self.side.add(room, greq.rid)
+
+    def step(self) -> None:
+        self.side.step()
+        if not self.scheduler.waiting:  # rooms wait in `queued` (with its deadline), not in the engine
+            free = self.scheduler.config.max_running_requests - len(self.scheduler.running)
+            for room in self.side.take_queued(max(free, 0)):
+                leg = self.legs[room]
+                super().add(leg.greq, self._engine_sink(room), prefill_only=True)
+                leg.in_engine = True
+        super().step()
+
+    def _engine_sink(self, room: int):
+        def sink(out: StepOutput) -> None:
+            # Normal ends went through _handoff; an engine abort or error fails the room.
+            if out.finished and out.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
+                self.side.abort(room, *reason_of(out))
+        return sink
+
+    def _handoff(self, req: Req, first: SampleResult) -> None:
+        room = self.room_of.get(req.rid)
+        r = self.side.lc.rooms.get(room) if room is not None else None
+        if r is None or r.phase is not PPhase.PREFILL:
+            return  # the room already ended: the engine frees the pages
+        self.allocator.transfer(req.rid, ("room", room))
+        pages = list(req.pages)
+        lp = first.logprob
+        aux = wire.Aux(room, 0, first_token=first.token_id, logprob=lp.logprob if lp else None,
+                       top_logprobs=tuple(lp.top) if lp else (), prompt_tokens=req.prompt_len)
+        self.legs[room].in_engine = False
+        self.side.prefill_done(room, pages, aux)
+
+    def _release_room(self, room: int) -> None:
+        self.allocator.free(("room", room))
+
+    def _on_terminal(self, ev: TerminalEvent) -> None:
+        self._record_terminal(ev)
+        leg = self._pop_leg(ev.room)
+        if leg is None:
+            return
+        if leg.in_engine:  # ended during its forward pass: the engine drops it and its pages
+            super().abort(leg.greq.rid, FinishReason.ABORT)
+        if ev.phase == "done":
+            out = StepOutput(leg.greq.rid, finish_reason=FinishReason.LENGTH, prompt_tokens=len(leg.greq.prompt_ids))
+        else:
+            out = self._failed_output(leg, ev)
+        self._answer(leg, out)
+
+    def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> None:
+        room = self.room_of.get(rid)
+        if room is not None:
+            self.side.abort(room, *reason_of(StepOutput(rid, finish_reason=reason, error=error)))

@@ -1,0 +1,179 @@
+"""What the prefill and decode worker cores share: an `EngineCore` whose KV pool is the
+transfer manager's buffer, one lifecycle coordinator (`side`) stepped by the engine loop,
+and the legs (one per room) that the HTTP layer waits on.
+
+Invariants:
+- Every leg ends with exactly one final output to its sink, when its room ends (terminal
+  event) or, once decoding, when the engine finishes it.
+- `snapshot()` and `debug_view()` read the same rooms on the engine thread, so the phase
+  gauges in /metrics and the rows of /debug/requests cannot disagree.
+- `check_idle()` holds when nothing is live: no leg, no room, no quarantined page, no
+  transfer endpoint, every page free.
+"""
+from __future__ import annotations
+
+import logging
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+from kvrelay.core.clock import Clock
+from kvrelay.core.config import KVCacheConfig, LifecycleConfig, SchedulerConfig, TransferConfig
+from kvrelay.disagg.lease import Coordinator
+from kvrelay.disagg.lifecycle import Reason, TerminalEvent, phase_name
+from kvrelay.disagg.transfer import create_manager
+from kvrelay.engine.core import EngineCore, kv_layout_for, num_pages_for
+from kvrelay.engine.sampling import validate_params
+from kvrelay.engine.types import FinishReason, GenerateRequest, RequestRejected, StepOutput
+from kvrelay.obs.metrics import Snapshot
+
+log = logging.getLogger("kvrelay.worker")
+
+BUSY_WAIT = 0.005   # loop wait while rooms are live: peers' messages are polled this often
+IDLE_WAIT = 0.02    # nothing live: still stepped, so heartbeats and leases keep running
+
+
+@dataclass(eq=False)
+class Leg:
+    greq: GenerateRequest
+    sink: Callable[[StepOutput], None]
+    room: int
+    in_engine: bool = False   # the engine holds it (P: computing; D: decoding)
+    answered: bool = False    # its final output went out
+
+
+def reason_of(out: StepOutput) -> tuple[str, str]:
+    """(reason code, detail) of an output that ended a request early."""
+    if out.finish_reason is FinishReason.ABORT:
+        return Reason.ABORTED.value, out.error or "aborted"
+    code, _, detail = (out.error or "internal_error: the request failed").partition(": ")
+    return code, detail
+
+
+class WorkerCore(EngineCore):
+    role = ""
+    PHASES: tuple[str, ...] = ()
+    QUEUED_PHASES: tuple[str, ...] = ()   # phases that count as "queued" for the router's load view
+
+    def __init__(self, loaded, kv_cfg: KVCacheConfig, sched_cfg: SchedulerConfig, lifecycle_cfg: LifecycleConfig,
+                 transfer_cfg: TransferConfig, clock: Clock | None = None, metrics=None) -> None:
+        layout = kv_layout_for(loaded, kv_cfg.page_size)
+        self.lifecycle_cfg, self.transfer_cfg = lifecycle_cfg, transfer_cfg
+        self.manager = create_manager(transfer_cfg.transfer_backend, layout, transfer_cfg,
+                                      lifecycle=lifecycle_cfg, **({"clock": clock} if clock else {}))
+        pool = self.manager.allocate_pool(num_pages_for(kv_cfg, layout))
+        super().__init__(loaded, kv_cfg, sched_cfg, clock=self.manager.clock, kv_buffer=pool, metrics=metrics)
+        self.legs: dict[int, Leg] = {}
+        self.room_of: dict[str, int] = {}
+        self.side: Coordinator = self._make_side()
+        self.side.lc.on_leave = self._observe_phase
+
+    @abstractmethod
+    def _make_side(self) -> Coordinator: ...
+
+    # ---- legs ----------------------------------------------------------------------------
+    def validate_leg(self, greq: GenerateRequest) -> None:
+        """Raise RequestRejected unless this worker can serve the leg (fixed state only)."""
+        self.validate(greq)
+        validate_params(greq.params)
+
+    def _add_leg(self, leg: Leg) -> None:
+        rid = leg.greq.rid
+        if leg.room in self.legs or leg.room in self.side.lc.rooms:
+            raise RequestRejected(f"room {leg.room} is already live on this worker", param="room")
+        if rid in self.room_of:
+            raise RequestRejected(f"request id {rid} is already live on this worker", param="rid")
+        self.legs[leg.room] = leg
+        self.room_of[rid] = leg.room
+
+    def _pop_leg(self, room: int) -> Leg | None:
+        leg = self.legs.pop(room, None)
+        if leg is not None:
+            self.room_of.pop(leg.greq.rid, None)
+        return leg
+
+    @staticmethod
+    def _answer(leg: Leg, out: StepOutput) -> None:
+        if not leg.answered:
+            leg.answered = out.finished
+            leg.sink(out)
+
+    @staticmethod
+    def _failed_output(leg: Leg, ev: TerminalEvent) -> StepOutput:
+        aborted = ev.phase == "aborted"
+        return StepOutput(leg.greq.rid, finish_reason=FinishReason.ABORT if aborted else FinishReason.ERROR,
+                          error=f"{ev.reason}: {ev.detail}" if ev.detail else ev.reason,
+                          prompt_tokens=len(leg.greq.prompt_ids))
+
+    def _record_terminal(self, ev: TerminalEvent) -> None:
+        outcome = {"done": "success", "aborted": "aborted"}.get(ev.phase, "failed")
+        level = logging.INFO if ev.phase != "failed" else logging.WARNING
+        log.log(level, "request ended", extra={"rid": ev.rid, "room": ev.room, "phase": ev.phase,
+                                                 "from_phase": ev.from_phase, "reason": ev.reason or "",
+                                                 "detail": ev.detail, "age_s": round(ev.age, 3)})
+        if self.metrics is not None:
+            self.metrics.record_finish(outcome, ev.reason or "done")
+
+    def _observe_phase(self, phase: str, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.phase_seconds.labels(self.role, phase).observe(seconds)
+
+    # ---- the loop ------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self.has_work or bool(self.legs) or not self.side.idle()
+
+    @property
+    def idle_wait(self) -> float:
+        return BUSY_WAIT if not self.side.idle() else IDLE_WAIT
+
+    def abort_leg(self, rid: str) -> bool:
+        """Abort by request id (the router's /abort). False if it is not live here."""
+        if rid not in self.room_of:
+            return False
+        self.abort(rid)
+        return True
+
+    def close(self) -> None:
+        self.manager.close()
+
+    # ---- views ---------------------------------------------------------------------------
+    def queued_requests(self) -> int:
+        return sum(1 for row in self.side.live() if row["phase"] in self.QUEUED_PHASES)
+
+    def snapshot(self) -> Snapshot:
+        now = self.clock.now()
+        phases: dict[str, list[float]] = {p: [] for p in self.PHASES}
+        for r in self.side.lc.rooms.values():
+            phases.setdefault(phase_name(r.phase), []).append(now - r.created)
+        m = self.manager
+        return Snapshot(phases=phases, kv_pages_free=self.allocator.num_free, kv_pages_total=self.allocator.num_total,
+                        counters={"kvrelay_transfer_bytes": getattr(m, "bytes_written", 0),
+                                  "kvrelay_transfer_seconds": getattr(m, "write_seconds", 0.0)},
+                        gauges={"kvrelay_kv_pages_quarantined": sum(len(q.pages) for q in
+                                                                    getattr(self.side, "quarantine", {}).values())})
+
+    def debug_view(self) -> dict:
+        rows = self.side.live()
+        for row in rows:
+            leg = self.legs.get(row["room"])
+            if leg is not None:
+                row["prompt_tokens"] = len(leg.greq.prompt_ids)
+        phases = {p: 0 for p in self.PHASES}
+        for row in rows:
+            phases[row["phase"]] = phases.get(row["phase"], 0) + 1
+        return {"requests": rows, "phases": phases}
+
+    def health(self) -> dict:
+        return {"role": self.role, "worker_id": self.manager.worker_id, "incarnation": self.manager.incarnation,
+                "model": self.loaded.name, "max_model_len": self.max_model_len,
+                "transfer_backend": self.manager.name, "transfer_address": self.manager.address,
+                "live_requests": len(self.side.lc.rooms), "queued_requests": self.queued_requests(),
+                "free_pages": self.allocator.num_free, "total_pages": self.allocator.num_total}
+
+    def check_idle(self) -> None:
+        super().check_idle()
+        assert not self.legs and not self.room_of, f"live legs: {sorted(self.legs)}"
+        assert self.side.idle(), f"live rooms: {self.side.live()}"
+        counts = self.manager.counts()
+        assert counts["senders"] == counts["receivers"] == counts["owned_pages"] == 0, counts

@@ -1,0 +1,104 @@
+"""`kvrelay prefill` and `kvrelay decode`: one worker process, its engine thread (which also
+steps the lifecycle and heartbeats its peers), and the HTTP endpoints the router calls
+(protocol in `server.worker_protocol`).
+
+Every route reads worker state through `AsyncEngine.call`, i.e. on the engine thread
+between steps: a worker whose loop hangs stops answering /health, and the router drops it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator
+
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvrelay.core.config import KVRelayConfig
+from kvrelay.disagg.decode_worker import DecodeCore
+from kvrelay.disagg.prefill_worker import PrefillCore
+from kvrelay.disagg.worker_core import WorkerCore
+from kvrelay.engine.engine import AsyncEngine
+from kvrelay.engine.loader import load_model
+from kvrelay.engine.types import FinishReason, GenerateRequest, RequestRejected, StepOutput
+from kvrelay.obs.logs import setup_logging
+from kvrelay.obs.metrics import ServingMetrics
+from kvrelay.server.errors import install_handlers
+from kvrelay.server.observe import observability_router
+from kvrelay.server.startup import load_with_progress, run_uvicorn, startup_line
+from kvrelay.server.worker_protocol import AbortRequest, LegRequest, WorkerHealth, output_to_json
+
+log = logging.getLogger("kvrelay.worker")
+
+CORES: dict[str, type[WorkerCore]] = {"prefill": PrefillCore, "decode": DecodeCore}
+
+
+def worker_app(engine: AsyncEngine, metrics: ServingMetrics) -> FastAPI:
+    core: WorkerCore = engine.core  # read only through engine.call (the engine thread)
+    app = FastAPI(title=f"kvrelay {core.role} worker")
+    install_handlers(app)
+    routes = APIRouter()
+
+    async def on_engine(fn, timeout: float = 30.0):
+        return await asyncio.to_thread(engine.call, fn, timeout)
+
+    @routes.post("/generate")
+    async def generate(body: LegRequest) -> StreamingResponse:
+        greq = GenerateRequest(body.rid, tuple(body.prompt_ids), body.sampling.params())
+        core.validate_leg(greq)  # fixed state only: a leg that can never run is a 400 now
+        kwargs = {"room": body.room}
+        if core.role == "decode":
+            if not body.prefill_address:
+                raise RequestRejected("a decode leg needs prefill_address", param="prefill_address")
+            kwargs["prefill_address"] = body.prefill_address
+        return StreamingResponse(_lines(engine, greq, kwargs), media_type="application/x-ndjson")
+
+    @routes.post("/abort")
+    async def abort(body: AbortRequest) -> dict:
+        return {"aborted": await on_engine(lambda c: c.abort_leg(body.rid))}
+
+    @routes.get("/health")
+    async def health() -> dict:
+        return WorkerHealth(**await on_engine(lambda c: c.health(), timeout=10.0)).model_dump()
+
+    async def debug_view() -> dict:
+        return await on_engine(lambda c: c.debug_view())
+
+    app.include_router(routes)
+    app.include_router(observability_router(metrics, debug_view))
+    return app
+
+
+async def _lines(engine: AsyncEngine, greq: GenerateRequest, kwargs: dict) -> AsyncIterator[str]:
+    """The leg's outputs as NDJSON. Leaving early (the router closed the stream) aborts
+    the leg: `AsyncEngine.generate` sends the abort when it is closed unfinished."""
+    gen = engine.generate(greq, **kwargs)
+    try:
+        async for out in gen:
+            yield output_to_json(out)
+    except RequestRejected as exc:  # lost a race (same room or rid added twice)
+        yield output_to_json(StepOutput(greq.rid, finish_reason=FinishReason.ERROR,
+                                        error=f"invalid_request: {exc}"))
+    finally:
+        await gen.aclose()
+
+
+def serve_worker(config: KVRelayConfig, role: str) -> None:
+    setup_logging(config.server.log_level)
+    cls = CORES[role]
+    metrics = ServingMetrics(role, cls.PHASES, lambda: engine.call(lambda c: c.snapshot(), timeout=10))
+
+    def build_core() -> WorkerCore:  # on the engine thread: it alone touches torch
+        loaded = load_with_progress(load_model, config.model)
+        return cls(loaded, config.kv, config.scheduler, config.lifecycle, config.transfer, metrics=metrics)
+
+    engine = AsyncEngine(build_core)
+    core = engine.core
+    srv = config.server
+    print(startup_line(role, core.loaded, core.capacity_tokens, f"http://{srv.host}:{srv.port}")
+          + f", transfer {core.manager.name} at {core.manager.address}", flush=True)
+    try:
+        run_uvicorn(worker_app(engine, metrics), srv)
+    finally:
+        engine.shutdown()
+        core.close()

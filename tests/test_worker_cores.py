@@ -1,0 +1,252 @@
+"""The prefill and decode worker cores in one process, on each real transfer backend, over
+a tiny random model: same tokens as the colocated engine, one answer per leg, aborts in
+every phase, and nothing left behind on either side."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from disagg_helpers import BACKENDS
+from kvrelay.core.config import KVCacheConfig, LifecycleConfig, SchedulerConfig, TransferConfig
+from kvrelay.disagg.decode_worker import DecodeCore
+from kvrelay.disagg.prefill_worker import PrefillCore
+from kvrelay.engine.engine import AsyncEngine
+from kvrelay.engine.types import FinishReason, GenerateRequest, RequestRejected, SamplingParams
+
+REAL = [b for b in BACKENDS if not b.startswith("fake")]
+KV = KVCacheConfig(page_size=16, max_kv_tokens=2048)
+SCHED = SchedulerConfig(max_running_requests=16, max_prefill_tokens=512)
+LIFE = LifecycleConfig(heartbeat_interval=0.2, heartbeat_misses=3, bootstrap_timeout=5, queue_timeout=5,
+                       waiting_timeout=5, transfer_timeout=5, quarantine_grace=0.5)
+
+
+class Pair:
+    def __init__(self, loaded, backend: str, d_faults: str | None = None) -> None:
+        tc = TransferConfig(transfer_backend=backend)
+        self.P = AsyncEngine(lambda: PrefillCore(loaded, KV, SCHED, LIFE, tc))
+        dtc = TransferConfig(transfer_backend=backend, fault_spec=d_faults)
+        self.D = AsyncEngine(lambda: DecodeCore(loaded, KV, SCHED, LIFE, dtc))
+        self.paddr = self.P.core.manager.address
+        self.room = 100
+
+    async def run(self, greq: GenerateRequest, *, p_first: float = 0.0, d_delay: float = 0.0):
+        """Both legs of one request; returns (prefill outputs, decode outputs)."""
+        self.room += 1
+        room = self.room
+
+        async def leg(engine, delay, **kw):
+            await asyncio.sleep(delay)
+            return [o async for o in engine.generate(greq, room=room, **kw)]
+
+        return await asyncio.gather(leg(self.P, p_first), leg(self.D, d_delay, prefill_address=self.paddr))
+
+    def close(self) -> None:
+        for e in (self.P, self.D):
+            e.shutdown()
+            e.core.close()
+
+    def assert_idle(self) -> None:
+        for e in (self.P, self.D):
+            e.check_idle(timeout=15)
+
+
+@pytest.fixture(params=REAL)
+def pair(request, tiny_loaded):
+    p = Pair(tiny_loaded, request.param)
+    yield p
+    p.close()
+
+
+def greedy(rid: str, prompt, n: int = 12, **kw) -> GenerateRequest:
+    return GenerateRequest(rid, tuple(prompt), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw))
+
+
+def tokens(outs) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+async def colocated(engine, greq: GenerateRequest):
+    return [o async for o in engine.generate(greq)]
+
+
+def test_same_tokens_as_colocated(pair, tiny_engine):
+    """Greedy, seeded sampling and logprobs: disaggregated == colocated, batched."""
+    reqs = [greedy(f"g{i}", range(3 + i, 20 + 7 * i), n=10 + i) for i in range(6)]
+    reqs.append(GenerateRequest("seeded", tuple(range(40, 70)),
+                                SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)))
+    reqs.append(greedy("lp", range(9, 30), n=6, logprobs=3))
+
+    async def main():
+        got = await asyncio.gather(*[pair.run(r) for r in reqs])
+        want = [await colocated(tiny_engine, r) for r in reqs]
+        return got, want
+
+    got, want = asyncio.run(main())
+    for r, (pouts, douts), couts in zip(reqs, got, want):
+        assert [o.finish_reason for o in pouts] == [FinishReason.LENGTH]
+        assert douts[-1].finish_reason is FinishReason.LENGTH
+        assert tokens(douts) == tokens(couts), r.rid
+        assert "".join(o.text for o in douts) == "".join(o.text for o in couts)
+    lp_d = [lp for o in got[-1][1] for lp in o.logprobs]
+    lp_c = [lp for o in want[-1] for lp in o.logprobs]
+    assert [x.token_id for x in lp_d] == [x.token_id for x in lp_c]
+    assert [len(x.top) for x in lp_d] == [3] * 6
+    assert lp_d[0].logprob == pytest.approx(lp_c[0].logprob, abs=1e-4)
+    pair.assert_idle()
+
+
+def test_one_token_and_stop_on_first_token(pair, tiny_engine):
+    """max_tokens=1 ends at once on D with the token P sampled; so does a stop token."""
+    one = greedy("one", range(5, 25), n=1)
+    first = asyncio.run(colocated(tiny_engine, one))[0].token_ids[0]
+    stop = GenerateRequest("stop", one.prompt_ids, SamplingParams(max_tokens=8, temperature=0.0,
+                                                                  stop_token_ids=(first,)))
+    p1, d1 = asyncio.run(pair.run(one))
+    p2, d2 = asyncio.run(pair.run(stop))
+    assert tokens(d1) == [first] and d1[-1].finish_reason is FinishReason.LENGTH
+    assert tokens(d2) == [first] and d2[-1].finish_reason is FinishReason.STOP
+    assert p1[-1].finish_reason is p2[-1].finish_reason is FinishReason.LENGTH
+    pair.assert_idle()
+
+
+@pytest.mark.parametrize("phase", ["p-bootstrap", "d-decode", "d-bootstrap"])
+def test_abort_in_any_phase_ends_both_legs(pair, phase):
+    """An abort on one side reaches the other; each leg gets exactly one final output."""
+    greq = greedy(f"ab-{phase}", range(5, 60), n=400)
+
+    async def main():
+        pair.room += 1
+        room = pair.room
+        p_outs, d_outs = [], []
+
+        async def p_leg():
+            async for o in pair.P.generate(greq, room=room):
+                p_outs.append(o)
+
+        async def d_leg():
+            async for o in pair.D.generate(greq, room=room, prefill_address=pair.paddr):
+                d_outs.append(o)
+
+        if phase == "p-bootstrap":  # P holds the room; D never came: abort it on P
+            t = asyncio.create_task(p_leg())
+            await asyncio.sleep(0.2)
+            await pair.P.abort(greq.rid)
+            await asyncio.wait_for(t, 10)
+            return p_outs, d_outs
+        if phase == "d-bootstrap":  # D waits for a P that never hears of the room
+            t = asyncio.create_task(d_leg())
+            await asyncio.sleep(0.2)
+            await pair.D.abort(greq.rid)
+            await asyncio.wait_for(t, 10)
+            return p_outs, d_outs
+        tp, td = asyncio.create_task(p_leg()), asyncio.create_task(d_leg())
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            if len(d_outs) >= 3:
+                break
+        await pair.D.abort(greq.rid)
+        await asyncio.wait_for(asyncio.gather(tp, td), 10)
+        return p_outs, d_outs
+
+    p_outs, d_outs = asyncio.run(main())
+    for outs in (p_outs, d_outs):
+        if outs:
+            assert sum(o.finished for o in outs) == 1 and outs[-1].finished
+    if phase == "p-bootstrap":
+        assert p_outs[-1].finish_reason is FinishReason.ABORT and not d_outs
+    elif phase == "d-bootstrap":
+        assert d_outs[-1].finish_reason is FinishReason.ABORT and not p_outs
+    else:
+        assert d_outs[-1].finish_reason is FinishReason.ABORT
+        assert 3 <= len(tokens(d_outs)) < 400
+        assert p_outs[-1].finish_reason is FinishReason.LENGTH  # P was done before D aborted
+    pair.assert_idle()
+
+
+def test_decode_failure_before_kv_reaches_prefill(pair):
+    """D gives up (abort while waiting for KV): P's leg fails with the reason, not silence."""
+    greq = greedy("dfail", range(5, 40), n=8)
+
+    async def main():
+        pair.room += 1
+        room = pair.room
+        # P learns of the room only after D has reserved and sent its destination.
+        d = asyncio.create_task(asyncio.wait_for(
+            _collect(pair.D.generate(greq, room=room, prefill_address=pair.paddr)), 10))
+        await asyncio.sleep(0.3)
+        await pair.D.abort(greq.rid)
+        douts = await d
+        pouts = await asyncio.wait_for(_collect(pair.P.generate(greq, room=room)), 10)
+        return pouts, douts
+
+    pouts, douts = asyncio.run(main())
+    assert douts[-1].finish_reason is FinishReason.ABORT
+    assert pouts[-1].finish_reason in (FinishReason.ABORT, FinishReason.ERROR)
+    assert pouts[-1].error and pouts[-1].error.split(":")[0] in ("aborted", "peer_failed")
+    pair.assert_idle()
+
+
+async def _collect(gen):
+    return [o async for o in gen]
+
+
+def test_rejects_bad_legs(pair):
+    """A leg that can never run is rejected before it is added; a duplicate room is too."""
+    too_long = greedy("long", range(5, 3000), n=4)
+    with pytest.raises(RequestRejected):
+        pair.P.core.validate_leg(too_long)
+    bad = GenerateRequest("bad", (1, 2, 3), SamplingParams(max_tokens=4, top_p=0.0))
+    with pytest.raises(RequestRejected):
+        pair.D.core.validate_leg(bad)
+
+    async def dup():
+        greq = greedy("dup-a", range(5, 20), n=2)
+        t = asyncio.create_task(_collect(pair.P.generate(greq, room=77)))
+        await asyncio.sleep(0.1)
+        with pytest.raises(RequestRejected):
+            await _collect(pair.P.generate(greedy("dup-b", range(5, 20)), room=77))
+        await pair.P.abort("dup-a")
+        return await asyncio.wait_for(t, 10)
+
+    outs = asyncio.run(dup())
+    assert outs[-1].finish_reason is FinishReason.ABORT
+    pair.assert_idle()
+
+
+@contextlib.contextmanager
+def _pair(loaded, backend, **kw):
+    p = Pair(loaded, backend, **kw)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("backend", REAL)
+def test_unacknowledged_transfer_fails_within_the_lease(tiny_loaded, backend):
+    """The stuck-inflight scenario in process: D never completes the receive (ignore_aux),
+    so it never acknowledges. P's transfer phase ends within a few heartbeats with
+    transfer_error (far below --transfer-timeout), D's leg gets that reason, and the
+    next request (faults off) succeeds."""
+    with _pair(tiny_loaded, backend, d_faults="ignore_aux=1") as pair:
+        greq = greedy("stuck", range(5, 40), n=4)
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            res = await asyncio.wait_for(pair.run(greq), 20)
+            return res, loop.time() - t0
+
+        (pouts, douts), took = asyncio.run(main())
+        assert pouts[-1].finish_reason is FinishReason.ERROR and pouts[-1].error.startswith("transfer_error")
+        assert douts[-1].finish_reason is FinishReason.ERROR
+        assert douts[-1].error.split(":")[0] in ("transfer_error", "peer_failed")
+        lease = LIFE.heartbeat_interval * (LIFE.heartbeat_misses + 2)
+        assert took < lease + 1.0 < LIFE.transfer_timeout
+        pair.assert_idle()
+        pair.D.call(lambda c: setattr(c.manager.faults, "spec", type(c.manager.faults.spec)()))
+        pouts, douts = asyncio.run(pair.run(greedy("after", range(5, 40), n=4)))
+        assert douts[-1].finish_reason is FinishReason.LENGTH and len(tokens(douts)) == 4
+        pair.assert_idle()
