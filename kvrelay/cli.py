@@ -9,9 +9,26 @@ import typing
 
 from kvrelay.core.config import KVRelayConfig
 
+WORKER_SECTIONS = ("model", "kv", "scheduler", "server", "lifecycle", "transfer")
+
 # Config sections each command reads its flags from.
 SECTIONS = {
-    "serve": ("model", "kv", "scheduler", "server"),
+    "serve": (*WORKER_SECTIONS, "cluster", "router"),
+    "prefill": WORKER_SECTIONS,
+    "decode": WORKER_SECTIONS,
+    "router": ("model", "server", "router", "cluster"),
+}
+# Fields a command has no flag for: `serve` starts its own workers, so it takes no worker
+# URLs; `router` starts none, so of the cluster section it keeps only --startup-timeout.
+SKIPPED = {"serve": {"router.prefill", "router.decode"},
+           "router": {"cluster.num_prefill", "cluster.num_decode", "cluster.worker_threads"}}
+
+COMMAND_HELP = {
+    "serve": "serve the OpenAI-compatible API: by default a router plus prefill and decode workers "
+             "on this host (--mode colocated: one process)",
+    "prefill": "run a prefill worker (give each worker its own --port; the default is 8000)",
+    "decode": "run a decode worker (give each worker its own --port; the default is 8000)",
+    "router": "run the router in front of prefill and decode workers started elsewhere",
 }
 
 
@@ -23,22 +40,27 @@ def _flag_type(tp) -> tuple[type, bool]:
     return tp, False
 
 
-def add_section_flags(parser: argparse.ArgumentParser, section: str) -> None:
+def add_section_flags(parser: argparse.ArgumentParser, section: str, skip: typing.Collection[str] = ()) -> None:
+    """One flag per field of config section `section`, except the `section.field` names in `skip`."""
     cls = typing.get_type_hints(KVRelayConfig)[section]
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(section)
     for f in dataclasses.fields(cls):
+        if f"{section}.{f.name}" in skip:
+            continue
         tp, _ = _flag_type(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
         kwargs = dict(dest=f"{section}.{f.name}", default=f.default, help=f.metadata.get("help", ""))
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
-        if tp is bool:
+        if "nargs" in f.metadata:  # a tuple field: several values after one flag
+            kwargs.update(nargs=f.metadata["nargs"], type=str, metavar="VALUE")
+        elif tp is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = tp
             kwargs["metavar"] = tp.__name__.upper()
-        if f.default is not None and tp is not bool:
+        if f.default is not None and tp is not bool and "nargs" not in f.metadata:
             kwargs["help"] += f" (default: {f.default})"
         group.add_argument(flag, **kwargs)
 
@@ -48,7 +70,8 @@ def config_from_args(args: argparse.Namespace) -> KVRelayConfig:
     sections = {}
     for f in dataclasses.fields(KVRelayConfig):
         current = getattr(base, f.name)
-        values = {k.split(".", 1)[1]: v for k, v in vars(args).items() if k.startswith(f.name + ".")}
+        values = {k.split(".", 1)[1]: tuple(v) if isinstance(v, list) else v
+                  for k, v in vars(args).items() if k.startswith(f.name + ".")}
         sections[f.name] = dataclasses.replace(current, **values)
     return KVRelayConfig(**sections)
 
@@ -56,11 +79,14 @@ def config_from_args(args: argparse.Namespace) -> KVRelayConfig:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrelay", description="Prefill/decode disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
-    serve.add_argument("--mode", choices=("colocated",), default="colocated",
-                       help="colocated: one process does prefill and decode")
-    for section in SECTIONS["serve"]:
-        add_section_flags(serve, section)
+    for command, sections in SECTIONS.items():
+        p = sub.add_parser(command, help=COMMAND_HELP[command], description=COMMAND_HELP[command])
+        if command == "serve":
+            p.add_argument("--mode", choices=("disagg", "colocated"), default="disagg",
+                           help="disagg: a router plus --num-prefill prefill and --num-decode decode workers "
+                                "on this host; colocated: one process does prefill and decode (default: disagg)")
+        for section in sections:
+            add_section_flags(p, section, SKIPPED.get(command, ()))
     return parser
 
 
@@ -69,19 +95,40 @@ def fail(message: str) -> typing.NoReturn:
     raise SystemExit(1)
 
 
+def _run(command: str, mode: str | None, config: KVRelayConfig) -> None:
+    # Serving modules are imported only for the command that needs them.
+    if command == "serve" and mode == "colocated":
+        from kvrelay.server.colocated import serve_colocated
+        serve_colocated(config)
+    elif command == "serve":
+        from kvrelay.server.cluster import serve_cluster
+        serve_cluster(config)
+    elif command == "router":
+        from kvrelay.server.router import serve_router
+        serve_router(config)
+    else:
+        from kvrelay.server.worker_app import serve_worker
+        serve_worker(config, command)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
     except ValueError as exc:
         fail(str(exc))
-    if args.command == "serve":
-        from kvrelay.server.colocated import serve_colocated
+    if args.command == "router":
+        for role in ("prefill", "decode"):
+            if not getattr(config.router, role):
+                fail(f"router needs at least one --{role} URL (e.g. --{role} http://127.0.0.1:8001)")
+    from kvrelay.server.errors import StartupError
 
-        try:
-            serve_colocated(config)
-        except KeyboardInterrupt:
-            pass
+    try:
+        _run(args.command, getattr(args, "mode", None), config)
+    except StartupError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        pass
 
 
 if __name__ == "__main__":

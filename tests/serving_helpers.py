@@ -64,16 +64,23 @@ def gauge(samples, name: str, **labels) -> list[float]:
     return [v for (n, ls), v in samples.items() if n == name and want <= set(ls)]
 
 
+def worker_urls(url: str) -> list[str]:
+    """The workers behind a router (its GET /workers); none for a colocated server."""
+    r = httpx.get(f"{url}/workers", timeout=10)
+    return [w["url"] for w in r.json()["workers"]] if r.status_code == 200 else []
+
+
 def assert_no_leak(url: str, timeout: float = 10.0) -> None:
-    """Every phase gauge 0 and free pages == total pages (waiting briefly for aborts to land)."""
+    """On the server and every worker behind it: every phase gauge 0 and free pages ==
+    total pages (waiting briefly for aborts to land)."""
     deadline = time.monotonic() + timeout
-    while True:
-        s = metric_samples(url)
-        phases = gauge(s, "kvrelay_requests")
-        free, total = gauge(s, "kvrelay_kv_pages_free"), gauge(s, "kvrelay_kv_pages_total")
-        ok = phases and all(v == 0 for v in phases) and free and free == total
-        if ok:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"leak: phase gauges {phases}, free pages {free}, total pages {total}")
-        time.sleep(0.2)
+    for u in [url, *worker_urls(url)]:
+        while True:
+            s = metric_samples(u)
+            phases = gauge(s, "kvrelay_requests")
+            free, total = gauge(s, "kvrelay_kv_pages_free"), gauge(s, "kvrelay_kv_pages_total")
+            if phases and all(v == 0 for v in phases) and free == total:
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"leak at {u}: phase gauges {phases}, free pages {free}, total pages {total}")
+            time.sleep(0.2)

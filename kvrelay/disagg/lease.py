@@ -2,7 +2,8 @@
 
 Rules (lifecycle.md, "Deadlines that never kill a healthy slow request"):
 - A peer that has not been heard for `heartbeat_interval * heartbeat_misses` is dead: all
-  its rooms fail (peer_failed) and it is forgotten.
+  its rooms fail (peer_failed) and it is forgotten. Any message renews the lease, not only
+  heartbeats: a peer that forgot us (declared us dead) re-bootstraps before it beats again.
 - A heartbeat with a new incarnation at the same address is a restart: every room paired
   with the old incarnation fails.
 - A room fails when a heartbeat newer than the one that last listed it (or newer than the
@@ -61,6 +62,13 @@ class Leases:
         lease.incarnation, lease.last_heard = hb.incarnation, self.clock.now()
         lease.last_seq, lease.rooms = hb.seq, dict(hb.rooms)
         return verdict
+
+    def heard(self, last_message: dict[str, float]) -> None:
+        """Any message from a known peer renews its lease (heartbeats also carry rooms)."""
+        for address, t in last_message.items():
+            lease = self.peers.get(address)
+            if lease is not None and t > lease.last_heard:
+                lease.last_heard = t
 
     def dead(self) -> list[str]:
         now = self.clock.now()
@@ -124,6 +132,7 @@ class Coordinator(ABC):
         self._expire_tombstones()
 
     def _read_heartbeats(self) -> None:
+        self.leases.heard(self.manager.heard())
         for src, hb in self.manager.take_heartbeats():
             verdict = self.leases.on_heartbeat(src, hb)
             if verdict == "stale":

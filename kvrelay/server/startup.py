@@ -1,6 +1,7 @@
 """Start-up helpers shared by every serving command: progress bar, startup line, uvicorn."""
 from __future__ import annotations
 
+import signal
 import sys
 
 import uvicorn
@@ -32,5 +33,14 @@ def startup_line(role: str, loaded, kv_tokens: int, url: str) -> str:
     return f"kvrelay {role}: model {loaded.name} ({loaded.dtype}), KV capacity {kv_tokens} tokens, serving on {url}"
 
 
+def stop_on_sigterm() -> None:
+    """Make SIGTERM stop this process like Ctrl-C. uvicorn re-raises the signal that
+    stopped it under the handler it found, so with this every `finally` still runs
+    (closing the KV segment, aborting legs, stopping child workers) instead of the process
+    dying at once."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 def run_uvicorn(app, srv: ServerConfig) -> None:
+    stop_on_sigterm()
     uvicorn.run(app, host=srv.host, port=srv.port, log_level=srv.log_level, access_log=False)

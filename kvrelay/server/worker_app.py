@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.disagg.decode_worker import DecodeCore
+from kvrelay.disagg.faults import FaultSpec
 from kvrelay.disagg.prefill_worker import PrefillCore
 from kvrelay.disagg.worker_core import WorkerCore
 from kvrelay.engine.engine import AsyncEngine
@@ -23,10 +24,10 @@ from kvrelay.engine.loader import load_model
 from kvrelay.engine.types import FinishReason, GenerateRequest, RequestRejected, StepOutput
 from kvrelay.obs.logs import setup_logging
 from kvrelay.obs.metrics import ServingMetrics
-from kvrelay.server.errors import install_handlers
+from kvrelay.server.errors import install_handlers, invalid
 from kvrelay.server.observe import observability_router
 from kvrelay.server.startup import load_with_progress, run_uvicorn, startup_line
-from kvrelay.server.worker_protocol import AbortRequest, LegRequest, WorkerHealth, output_to_json
+from kvrelay.server.worker_protocol import AbortRequest, FaultsRequest, LegRequest, WorkerHealth, output_to_json
 
 log = logging.getLogger("kvrelay.worker")
 
@@ -60,6 +61,17 @@ def worker_app(engine: AsyncEngine, metrics: ServingMetrics) -> FastAPI:
     @routes.get("/health")
     async def health() -> dict:
         return WorkerHealth(**await on_engine(lambda c: c.health(), timeout=10.0)).model_dump()
+
+    @routes.post("/debug/faults")
+    async def faults(body: FaultsRequest) -> dict:
+        """Replace this worker's fault-injection spec at run time (chaos tests, drills);
+        an empty spec switches every fault off."""
+        try:
+            spec = FaultSpec.parse(body.spec)
+        except ValueError as exc:
+            raise invalid(str(exc), "spec") from None
+        await on_engine(lambda c: setattr(c.manager.faults, "spec", spec))
+        return {"spec": body.spec}
 
     async def debug_view() -> dict:
         return await on_engine(lambda c: c.debug_view())

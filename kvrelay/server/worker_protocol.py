@@ -11,6 +11,7 @@ Worker endpoints (prefill and decode alike):
     POST /abort      AbortRequest -> {"aborted": bool}
     GET  /health     -> WorkerHealth (load figures for pairing)
     GET  /metrics, GET /debug/requests
+    POST /debug/faults FaultsRequest -> replaces the worker's fault-injection spec
 """
 from __future__ import annotations
 
@@ -62,6 +63,10 @@ class LegRequest(BaseModel):
 
 class AbortRequest(BaseModel):
     rid: str
+
+
+class FaultsRequest(BaseModel):
+    spec: str = ""   # disagg.faults syntax; "" switches faults off
 
 
 class WorkerHealth(BaseModel):

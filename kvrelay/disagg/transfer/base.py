@@ -222,6 +222,11 @@ class TransferManager(ABC):
         """Bootstrapped peers by control address."""
 
     @abstractmethod
+    def heard(self) -> dict[str, float]:
+        """When (manager clock) each peer last sent this worker anything. Every message is
+        sent from its sender's scheduler loop, so any message proves that loop alive."""
+
+    @abstractmethod
     def forget_peer(self, address: str) -> None:
         """Drop a dead peer: its PeerInfo and per-peer sockets (a restart re-bootstraps)."""
 

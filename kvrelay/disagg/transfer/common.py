@@ -284,6 +284,7 @@ class CommonManager(TransferManager):
         self._owner: dict[int, tuple[int, int]] = {}     # D page -> (room, epoch) of its receiver
         self._heartbeats: list[tuple[str, wire.Heartbeat]] = []
         self._await_peer: dict[str, list[Received]] = {}   # Destinations from a peer not yet learned
+        self._heard: dict[str, float] = {}                # peer address -> last message time
         self.bytes_written = 0       # P: KV bytes of completed writes
         self.write_seconds = 0.0     # P: their summed durations (start to every byte landed)
         self.writes_done = 0
@@ -375,6 +376,9 @@ class CommonManager(TransferManager):
     def peers(self) -> dict[str, PeerInfo]:
         return dict(self._peers)
 
+    def heard(self) -> dict[str, float]:
+        return self._heard
+
     def heartbeat(self, dst: str, rooms: dict[int, str]) -> None:
         self.hb_seq += 1
         self.channel.send(dst, wire.Heartbeat(self.worker_id, self.incarnation, self.hb_seq, rooms))
@@ -384,6 +388,7 @@ class CommonManager(TransferManager):
         return out
 
     def forget_peer(self, address: str) -> None:
+        self._heard.pop(address, None)
         peer = self._peers.pop(address, None)
         self._asked.pop(address, None)
         self._await_peer.pop(address, None)
@@ -392,7 +397,9 @@ class CommonManager(TransferManager):
         self.channel.forget(address)
 
     def progress(self) -> None:
+        now = self.clock.now()
         for rcv in self.channel.recv():
+            self._heard[rcv.src] = now
             self._dispatch(rcv)
         for snd in list(self._senders.values()):
             snd.pump()

@@ -1,0 +1,206 @@
+"""`kvrelay serve` (disaggregated): prefill and decode workers as child processes on this
+host, and the router in this process in front of them.
+
+Invariants:
+- No orphans. Children run in their own session (a terminal's Ctrl-C reaches only this
+  process, which stops the router first and then the children), and the kernel sends
+  them SIGTERM if this process dies without stopping them (PR_SET_PDEATHSIG).
+- Every exit path stops every child: SIGTERM, up to STOP_GRACE seconds, then SIGKILL.
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+
+import httpx
+
+from kvrelay.core.clock import MonotonicClock
+from kvrelay.core.config import KVRelayConfig, to_cli_args
+from kvrelay.obs.logs import setup_logging
+from kvrelay.server.errors import StartupError
+from kvrelay.server.pairing import WorkerTable
+from kvrelay.server.router import RouterClient, router_tokenizer, run_router
+from kvrelay.server.startup import stop_on_sigterm
+
+STOP_GRACE = 15.0
+TAIL_LINES = 30
+READY_POLL = 0.25
+WORKER_HOST = "127.0.0.1"
+# Config sections forwarded to every worker as flags (server: with the worker's own port).
+WORKER_SECTIONS = ("model", "kv", "scheduler", "lifecycle", "transfer")
+PR_SET_PDEATHSIG = 1
+
+_stderr_lock = threading.Lock()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((WORKER_HOST, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent():
+    """A preexec_fn that has the kernel SIGTERM the child when this process dies (Linux;
+    None elsewhere). libc is resolved here, before the fork, so the child only calls."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+    return preexec
+
+
+def worker_argv(config: KVRelayConfig, role: str, port: int) -> list[str]:
+    args = [sys.executable, "-m", "kvrelay", role]
+    for section in WORKER_SECTIONS:
+        args += to_cli_args(getattr(config, section))
+    return args + to_cli_args(dataclasses.replace(config.server, host=WORKER_HOST, port=port))
+
+
+class WorkerProcess:
+    """One child worker: the process, the thread that forwards its output to our stderr
+    with a `[prefill-0] ` prefix, and the last lines it printed."""
+
+    def __init__(self, role: str, index: int, config: KVRelayConfig, threads: int) -> None:
+        self.role, self.index = role, index
+        self.port = _free_port()
+        self.url = f"http://{WORKER_HOST}:{self.port}"
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(worker_argv(config, role, self.port), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, preexec_fn=_die_with_parent())
+        self._reader = threading.Thread(target=self._forward, name=f"{role}-{index}-output", daemon=True)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} worker {self.index}"
+
+    def start_forwarding(self) -> None:
+        self._reader.start()
+
+    def _forward(self) -> None:
+        prefix = f"[{self.role}-{self.index}] "
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.tail.append(line)
+            with _stderr_lock:
+                sys.stderr.write(prefix + line + "\n")
+                sys.stderr.flush()
+
+    def last_error(self) -> str:
+        """Its `kvrelay: error:` line if it printed one, else its last line."""
+        self._reader.join(timeout=2)   # the process has exited: read what it printed last
+        lines = [ln.strip() for ln in self.tail if ln.strip()]
+        for line in reversed(lines):
+            if line.startswith("kvrelay: error: "):
+                return line[len("kvrelay: error: "):]
+        return lines[-1] if lines else "(no output)"
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self._reader.join(timeout=2)
+
+
+class LocalCluster:
+    """The child workers of `kvrelay serve`."""
+
+    def __init__(self, config: KVRelayConfig) -> None:
+        self.config = config
+        self.workers: list[WorkerProcess] = []
+
+    def start(self) -> None:
+        cl = self.config.cluster
+        threads = cl.worker_threads or max(1, (os.cpu_count() or 1) // (cl.num_prefill + cl.num_decode))
+        for role, count in (("prefill", cl.num_prefill), ("decode", cl.num_decode)):
+            for i in range(count):
+                self.workers.append(WorkerProcess(role, i, self.config, threads))
+        # Readers start after every fork: forking while threads run risks a child inheriting a held lock.
+        for w in self.workers:
+            w.start_forwarding()
+
+    def urls(self, role: str) -> tuple[str, ...]:
+        return tuple(w.url for w in self.workers if w.role == role)
+
+    def wait_ready(self) -> None:
+        """Until every worker's /health answers 200. Raises StartupError if one exits or
+        --startup-timeout passes."""
+        timeout = self.config.cluster.startup_timeout
+        deadline = time.monotonic() + timeout
+        pending = list(self.workers)
+        with httpx.Client(timeout=2.0) as http:
+            while pending:
+                for w in list(pending):
+                    code = w.proc.poll()
+                    if code is not None:
+                        raise StartupError(f"{w.name} exited with code {code}: {w.last_error()}")
+                    if _healthy(http, w.url):
+                        pending.remove(w)
+                if pending and time.monotonic() > deadline:
+                    raise StartupError(f"{pending[0].name} was not ready after {timeout:g} s (--startup-timeout); "
+                                       f"its last line: {pending[0].last_error()}")
+                if pending:
+                    time.sleep(READY_POLL)
+
+    def stop(self) -> None:
+        """SIGTERM every child, wait up to STOP_GRACE seconds in all, then SIGKILL. A second
+        Ctrl-C while waiting skips to SIGKILL."""
+        for w in self.workers:
+            w.terminate()
+        deadline = time.monotonic() + STOP_GRACE
+        try:
+            for w in self.workers:
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            pass
+        finally:
+            for w in self.workers:
+                w.kill()
+
+
+def _healthy(http: httpx.Client, url: str) -> bool:
+    try:
+        return http.get(f"{url}/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def serve_cluster(config: KVRelayConfig) -> None:
+    """`kvrelay serve`: start the workers, wait until all are ready, run the router on
+    --host/--port until SIGINT/SIGTERM, then stop every worker. Raises StartupError."""
+    setup_logging(config.server.log_level)
+    stop_on_sigterm()
+    tokenizer = router_tokenizer(config.model)   # a bad --model fails here, before any child starts
+    cluster = LocalCluster(config)
+    try:
+        cluster.start()
+        cluster.wait_ready()
+        table = WorkerTable(cluster.urls("prefill"), cluster.urls("decode"), MonotonicClock())
+        srv, cl = config.server, config.cluster
+
+        def banner(router: RouterClient) -> str:
+            return (f"kvrelay serve: model {router.model_name}, {cl.num_prefill} prefill + {cl.num_decode} decode "
+                    f"workers (transfer {config.transfer.transfer_backend}), serving on http://{srv.host}:{srv.port}")
+
+        asyncio.run(run_router(config, table, tokenizer, banner))
+    finally:
+        cluster.stop()

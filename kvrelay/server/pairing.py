@@ -1,0 +1,177 @@
+"""The router's table of workers and its choice of a (prefill, decode) pair per request.
+
+Pure Python over URLs and counters: no I/O, no asyncio; time comes from a `Clock`. The
+router feeds it health results and leg counts; it answers `pick_pair()`.
+
+Invariants:
+- Only workers marked up are candidates. A worker is up from a good health check until
+  the first failure (a failed check, or a connection error while serving a request);
+  one failure is enough, and the next good check brings it back ("rejoins").
+- `outstanding` counts the legs the router has open on a worker: `leg_started` and
+  `leg_ended` come in pairs, so it is never negative and is 0 when the router is idle.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from kvrelay.core.clock import Clock
+from kvrelay.server.worker_protocol import WorkerHealth
+
+ROLES = ("prefill", "decode")
+
+
+class Change(enum.Enum):
+    """What a health result changed about a worker (for the router's log)."""
+    JOINED = "joined"          # first good check ever
+    REJOINED = "rejoined"      # down, now up again, same process
+    RESTARTED = "restarted"    # a new incarnation: the process was restarted
+    WENT_DOWN = "went_down"    # was up, now down
+
+
+@dataclass
+class Worker:
+    url: str
+    role: str
+    up: bool = False
+    health: WorkerHealth | None = None   # the last good health report
+    outstanding: int = 0                 # legs the router has open on it
+    failures: int = 0                    # consecutive failures since the last good check
+    last_error: str | None = None
+    since: float = 0.0                   # clock time of the last up/down change
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting on this worker: what it reported plus what the router sent
+        since (the report is up to one health interval old)."""
+        return (self.health.queued_requests if self.health else 0) + self.outstanding
+
+    @property
+    def free_pages(self) -> int:
+        return self.health.free_pages if self.health else 0
+
+    def load_key(self) -> tuple[int, ...]:
+        """Smaller is better. A decode worker must also hold the request's KV, so among
+        equal queues the one with more free pages wins."""
+        if self.role == "decode":
+            return (self.queue_depth, -self.free_pages)
+        return (self.queue_depth,)
+
+
+@dataclass(frozen=True)
+class Pair:
+    prefill: Worker
+    decode: Worker
+
+    @property
+    def urls(self) -> frozenset[str]:
+        return frozenset((self.prefill.url, self.decode.url))
+
+
+@dataclass(frozen=True)
+class NoPair:
+    """No pair can be formed; `message` says which role has no healthy worker."""
+    message: str
+
+
+class WorkerTable:
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], clock: Clock) -> None:
+        """Raises ValueError if a role has no URL or a URL is listed twice."""
+        self.clock = clock
+        self._by_role: dict[str, list[Worker]] = {"prefill": [], "decode": []}
+        self._workers: dict[str, Worker] = {}
+        for role, urls in (("prefill", prefill), ("decode", decode)):
+            if not urls:
+                raise ValueError(f"no {role} worker URL given")
+            for url in urls:
+                if url in self._workers:
+                    raise ValueError(f"worker URL {url} is listed twice")
+                self._workers[url] = Worker(url, role, since=clock.now())
+                self._by_role[role].append(self._workers[url])
+        # Round robin among equally loaded workers: the next pick starts after the last one.
+        self._cursor = {role: 0 for role in ROLES}
+
+    # -- the table -----------------------------------------------------------------------
+    def urls(self) -> list[str]:
+        return list(self._workers)
+
+    def get(self, url: str) -> Worker:
+        return self._workers[url]
+
+    def workers(self, role: str) -> list[Worker]:
+        return list(self._by_role[role])
+
+    def up(self, role: str) -> list[Worker]:
+        return [w for w in self._by_role[role] if w.up]
+
+    def rows(self) -> list[dict]:
+        """One row per worker, for `GET /workers`."""
+        now = self.clock.now()
+        return [{"url": w.url, "role": w.role, "up": w.up, "for_s": round(now - w.since, 3),
+                 "outstanding": w.outstanding, "failures": w.failures, "last_error": w.last_error,
+                 "health": w.health.model_dump() if w.health else None} for w in self._workers.values()]
+
+    # -- health results --------------------------------------------------------------------
+    def mark_ok(self, url: str, health: WorkerHealth) -> Change | None:
+        """A good health check. Returns what changed, if anything worth logging."""
+        w = self._workers[url]
+        change = None
+        if w.health is None:
+            change = Change.JOINED
+        elif health.incarnation != w.health.incarnation:
+            change = Change.RESTARTED
+        elif not w.up:
+            change = Change.REJOINED
+        if not w.up:
+            w.up, w.since = True, self.clock.now()
+        w.health, w.failures, w.last_error = health, 0, None
+        return change
+
+    def mark_failed(self, url: str, error: str) -> Change | None:
+        """A failed check or a connection error: the worker is down at once."""
+        w = self._workers[url]
+        w.failures += 1
+        w.last_error = error
+        if not w.up:
+            return None
+        w.up, w.since = False, self.clock.now()
+        return Change.WENT_DOWN
+
+    # -- legs ------------------------------------------------------------------------------
+    def leg_started(self, url: str) -> None:
+        self._workers[url].outstanding += 1
+
+    def leg_ended(self, url: str) -> None:
+        w = self._workers[url]
+        if w.outstanding == 0:
+            raise ValueError(f"leg_ended({url}) without a matching leg_started")
+        w.outstanding -= 1
+
+    # -- pairing ---------------------------------------------------------------------------
+    def pick_pair(self, exclude: Iterable[str] = ()) -> Pair | NoPair:
+        """The least loaded up prefill and decode workers; round robin among equals.
+        Workers in `exclude` are used only when their role has no other up worker."""
+        excluded = frozenset(exclude)
+        chosen = {}
+        for role in ROLES:
+            worker = self._pick(role, excluded)
+            if worker is None:
+                return NoPair(f"no healthy {role} worker ({self.down_reasons(role)})")
+            chosen[role] = worker
+        for role, worker in chosen.items():
+            self._cursor[role] = self._by_role[role].index(worker) + 1
+        return Pair(chosen["prefill"], chosen["decode"])
+
+    def _pick(self, role: str, excluded: frozenset[str]) -> Worker | None:
+        up = self.up(role)
+        candidates = [w for w in up if w.url not in excluded] or up
+        if not candidates:
+            return None
+        best = min(w.load_key() for w in candidates)
+        tied = [w for w in candidates if w.load_key() == best]
+        workers, start = self._by_role[role], self._cursor[role]
+        return min(tied, key=lambda w: (workers.index(w) - start) % len(workers))
+
+    def down_reasons(self, role: str) -> str:
+        return "; ".join(f"{w.url}: {w.last_error or 'not checked yet'}" for w in self._by_role[role])

@@ -1,0 +1,406 @@
+"""`kvrelay router`: the OpenAI front door of a disaggregated deployment.
+
+`RouterClient` is an `EngineClient`, so `build_openai_app` serves exactly the endpoints
+and errors of colocated mode. Per request it picks a (prefill, decode) pair
+(`pairing.WorkerTable`), gives the request a `room`, sends both legs at once
+(`worker_client.WorkerAPI`) and streams the decode leg's outputs back.
+
+Invariants:
+- Every admitted request ends exactly once: one final output (or a raised error before
+  any output), one terminal log line, one `kvrelay_requests_finished` count.
+- A try that ends for any reason stops both of its legs (`Attempt.stop`): a leg that has
+  not sent its final line has its stream closed and gets `POST /abort`.
+- A failed try is retried once on another pair, only while nothing has reached the
+  client, and never for invalid requests, client aborts or an expired deadline.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Coroutine
+
+import uvicorn
+from fastapi import APIRouter, FastAPI
+
+from kvrelay.core.clock import Clock, MonotonicClock
+from kvrelay.core.config import KVRelayConfig, ModelOptions, RouterConfig
+from kvrelay.engine.types import EngineClient, FinishReason, GenerateRequest, RequestRejected, StepOutput
+from kvrelay.obs.logs import setup_logging
+from kvrelay.obs.metrics import ServingMetrics, Snapshot
+from kvrelay.server.errors import OpenAIError, StartupError
+from kvrelay.server.observe import observability_router
+from kvrelay.server.openai_api import build_openai_app
+from kvrelay.server.pairing import NoPair, Pair, WorkerTable
+from kvrelay.server.startup import stop_on_sigterm
+from kvrelay.server.worker_client import ABORT_TIMEOUT, LegFailure, WorkerAPI, WorkerMonitor, failure_of
+from kvrelay.server.worker_protocol import LegRequest, WireSampling
+
+log = logging.getLogger("kvrelay.router")
+
+PHASES = ("dispatched", "streaming")   # legs sent, no token yet / tokens flowing
+PREFILL, DECODE, WAKE = "prefill", "decode", "wake"
+NOT_RETRYABLE = frozenset({"invalid_request", "timeout:request"})
+RETRY_AFTER = {"Retry-After": "1"}
+PREFILL_GRACE = 5.0     # after D finished, how long P's leg may take to report done before it is aborted
+SHUTDOWN_GRACE = 30.0   # how long Ctrl-C / SIGTERM waits for streams in flight
+
+
+@dataclass
+class Event:
+    side: str                          # PREFILL or DECODE; WAKE only wakes the reader (abort)
+    out: StepOutput | None = None
+    error: Exception | None = None     # LegFailure or RequestRejected
+
+
+class Attempt:
+    """One try of a request: its prefill and decode legs, started at once as tasks that
+    feed `events`, so the router reacts to the first thing either side does."""
+
+    def __init__(self, api: WorkerAPI, table: WorkerTable, pair: Pair, leg: LegRequest,
+                 spawn: Callable[[Coroutine], None], on_broken: Callable[[str, str], None]) -> None:
+        self.api, self.table, self.pair, self.rid = api, table, pair, leg.rid
+        self._spawn, self._on_broken = spawn, on_broken
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self._final: set[str] = set()    # sides whose final line has arrived
+        self._stopped = False
+        to_decode = leg.model_copy(update={"prefill_address": pair.prefill.health.transfer_address})
+        self.legs = {PREFILL: (pair.prefill.url, self._start(PREFILL, pair.prefill.url, leg)),
+                     DECODE: (pair.decode.url, self._start(DECODE, pair.decode.url, to_decode))}
+
+    def _start(self, side: str, url: str, leg: LegRequest) -> asyncio.Task:
+        # Counted from now (not from when the task first runs), so that requests arriving
+        # in the same loop turn already see this leg's load.
+        self.table.leg_started(url)
+        task = asyncio.create_task(self._run(side, url, leg), name=f"{side}-leg-{leg.rid}")
+        task.add_done_callback(lambda _: self.table.leg_ended(url))
+        return task
+
+    async def _run(self, side: str, url: str, leg: LegRequest) -> None:
+        try:
+            async for out in self.api.generate(url, leg):
+                if out.finished:
+                    self._final.add(side)
+                self.events.put_nowait(Event(side, out=out))
+        except LegFailure as exc:
+            if exc.broken:
+                self._on_broken(url, exc.detail)
+            self.events.put_nowait(Event(side, error=exc))
+        except RequestRejected as exc:
+            self.events.put_nowait(Event(side, error=exc))
+        except Exception as exc:  # a bug fails this request now rather than at its deadline
+            log.exception("leg failed", extra={"rid": self.rid, "side": side, "worker": url})
+            self.events.put_nowait(Event(side, error=LegFailure("internal_error", repr(exc), url)))
+
+    def stop(self, prefill_grace: float = 0.0) -> None:
+        """Idempotent. After it, nobody reads `events`. With `prefill_grace` (the decode
+        leg succeeded), the prefill leg gets that long to report done on its own first."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for side, (url, task) in self.legs.items():
+            if side in self._final:
+                continue
+            if side == PREFILL and prefill_grace > 0:
+                self._spawn(self._end_after(url, task, prefill_grace))
+            else:
+                task.cancel()
+                self._spawn(self.api.abort(url, self.rid))
+
+    async def _end_after(self, url: str, task: asyncio.Task, grace: float) -> None:
+        await asyncio.wait({task}, timeout=grace)
+        if PREFILL not in self._final:
+            task.cancel()
+            await self.api.abort(url, self.rid)
+
+
+@dataclass
+class Routed:
+    """A live client request as the router sees it."""
+    rid: str
+    prompt_tokens: int
+    arrival: float
+    deadline: float
+    phase_since: float
+    phase: str = "dispatched"
+    room: int = 0
+    attempt: int = 0
+    current: Attempt | None = None
+    yielded: int = 0                      # outputs handed to the consumer
+    tokens: int = 0
+    first_token_at: float | None = None
+    aborted: bool = False                 # by the client
+    outcome: tuple[str, str] = ("aborted", "aborted")   # (outcome, reason); a consumer that leaves early aborted
+
+    def row(self, now: float) -> dict:
+        pair = self.current.pair if self.current else None
+        return {"id": self.rid, "room": self.room, "phase": self.phase, "age": round(now - self.arrival, 3),
+                "in_phase": round(now - self.phase_since, 3), "deadline_in": round(self.deadline - now, 3),
+                "prefill": pair.prefill.url if pair else None, "decode": pair.decode.url if pair else None,
+                "attempt": self.attempt, "tokens": self.tokens}
+
+
+class RouterClient(EngineClient):
+    def __init__(self, cfg: RouterConfig, table: WorkerTable, api: WorkerAPI, monitor: WorkerMonitor,
+                 tokenizer, model_name: str, max_model_len: int, clock: Clock | None = None) -> None:
+        self.cfg, self.table, self.api, self.monitor = cfg, table, api, monitor
+        self._tokenizer = tokenizer
+        self.model_name, self.max_model_len = model_name, max_model_len
+        self.clock = clock or MonotonicClock()
+        self.metrics = ServingMetrics("router", PHASES, self.snapshot)
+        self._live: dict[str, Routed] = {}
+        self._background: set[asyncio.Task] = set()
+
+    def tokenizer(self):
+        return self._tokenizer
+
+    # -- EngineClient ----------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
+        routed = self._admit(request)
+        try:
+            pair = self._first_pair()
+            while True:
+                attempt = self._dispatch(routed, request, pair)
+                try:
+                    while True:
+                        out = await self._next_output(routed, attempt)
+                        self._note(routed, out)
+                        yield out
+                        if out.finished:
+                            return
+                except LegFailure as failure:
+                    pair = self._retry_pair(routed, attempt, failure)   # or re-raises it
+                finally:
+                    attempt.stop(PREFILL_GRACE if routed.outcome[0] == "success" else 0.0)
+        except LegFailure as failure:
+            yield self._failed(routed, failure)
+        except RequestRejected:
+            routed.outcome = ("failed", "invalid_request")
+            raise
+        except OpenAIError as exc:
+            routed.outcome = ("failed", exc.code or "error")
+            raise
+        finally:
+            self._finish(routed)
+
+    async def abort(self, rid: str) -> None:
+        routed = self._live.get(rid)
+        if routed is None or routed.aborted:
+            return
+        routed.aborted = True
+        log.info("client aborted", extra={"rid": rid, "room": routed.room, "phase": routed.phase})
+        if routed.current is not None:
+            routed.current.stop()
+            routed.current.events.put_nowait(Event(WAKE))
+
+    # -- one request -----------------------------------------------------------------------
+    def _admit(self, request: GenerateRequest) -> Routed:
+        if len(self._live) >= self.cfg.max_queued_requests:
+            self.metrics.record_finish("failed", "overloaded")
+            log.warning("request finished", extra={"rid": request.rid, "outcome": "failed", "reason": "overloaded",
+                                                   "live": len(self._live)})
+            raise OpenAIError(503, f"the router already holds {len(self._live)} requests "
+                              "(--max-queued-requests); retry later", None, "overloaded", RETRY_AFTER)
+        now = self.clock.now()
+        routed = Routed(request.rid, len(request.prompt_ids), arrival=now, deadline=now + self.cfg.request_timeout,
+                        phase_since=now)
+        self._live[request.rid] = routed
+        return routed
+
+    def _first_pair(self) -> Pair:
+        pair = self.table.pick_pair()
+        if isinstance(pair, NoPair):
+            raise OpenAIError(503, pair.message, None, "no_healthy_worker", RETRY_AFTER)
+        return pair
+
+    def _dispatch(self, routed: Routed, request: GenerateRequest, pair: Pair) -> Attempt:
+        routed.attempt += 1
+        routed.room = secrets.randbits(63) or 1   # room 0 is never valid
+        # A retry may reach a worker that is still aborting the first try: new leg rid.
+        rid = routed.rid if routed.attempt == 1 else f"{routed.rid}-try{routed.attempt}"
+        leg = LegRequest(rid=rid, room=routed.room, prompt_ids=list(request.prompt_ids),
+                         sampling=WireSampling.of(request.params))
+        routed.current = Attempt(self.api, self.table, pair, leg, self._spawn, self.monitor.failed)
+        log.info("request dispatched", extra={"rid": routed.rid, "room": routed.room, "attempt": routed.attempt,
+                                              "prefill": pair.prefill.url, "decode": pair.decode.url})
+        return routed.current
+
+    async def _next_output(self, routed: Routed, attempt: Attempt) -> StepOutput:
+        """The next output for the client. Raises LegFailure / RequestRejected."""
+        while True:
+            event = await self._next_event(routed, attempt)
+            if routed.aborted:
+                return self._end_output(routed, FinishReason.ABORT)
+            if event.error is not None:
+                raise event.error
+            out = event.out
+            failed = out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT)
+            if failed:
+                raise failure_of(out, attempt.legs[event.side][0])
+            if event.side == DECODE:
+                out.rid = routed.rid
+                return out
+            # The prefill leg's one line ("length"): D has the KV; the tokens come from D.
+
+    async def _next_event(self, routed: Routed, attempt: Attempt) -> Event:
+        try:
+            async with asyncio.timeout(max(routed.deadline - self.clock.now(), 0.0)):
+                return await attempt.events.get()
+        except TimeoutError:
+            raise LegFailure("timeout:request", f"no complete answer within --request-timeout "
+                             f"{self.cfg.request_timeout:g} s (phase {routed.phase})") from None
+
+    def _retry_pair(self, routed: Routed, attempt: Attempt, failure: LegFailure) -> Pair:
+        if routed.yielded or routed.attempt > 1 or routed.aborted or failure.reason in NOT_RETRYABLE:
+            raise failure
+        pair = self.table.pick_pair(exclude=attempt.pair.urls)
+        if isinstance(pair, NoPair):
+            raise failure
+        log.warning("request retried on another pair", extra={"rid": routed.rid, "room": routed.room,
+                                                              "error": str(failure)})
+        return pair
+
+    def _note(self, routed: Routed, out: StepOutput) -> None:
+        routed.yielded += 1
+        now = self.clock.now()
+        if out.token_ids and routed.first_token_at is None:
+            routed.first_token_at = now
+            self.metrics.ttft.labels(self.metrics.role).observe(now - routed.arrival)
+            self._enter(routed, "streaming", now)
+        routed.tokens += len(out.token_ids)
+        if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            routed.outcome = ("success", out.finish_reason.value)
+
+    def _enter(self, routed: Routed, phase: str, now: float) -> None:
+        self.metrics.phase_seconds.labels(self.metrics.role, routed.phase).observe(now - routed.phase_since)
+        routed.phase, routed.phase_since = phase, now
+
+    def _end_output(self, routed: Routed, reason: FinishReason, error: str | None = None) -> StepOutput:
+        return StepOutput(routed.rid, prompt_tokens=routed.prompt_tokens, completion_tokens=routed.tokens,
+                          finish_reason=reason, error=error)
+
+    def _failed(self, routed: Routed, failure: LegFailure) -> StepOutput:
+        if routed.aborted:
+            return self._end_output(routed, FinishReason.ABORT)
+        routed.outcome = ("failed", failure.reason)
+        return self._end_output(routed, FinishReason.ERROR, str(failure))
+
+    def _finish(self, routed: Routed) -> None:
+        now = self.clock.now()
+        self._live.pop(routed.rid, None)
+        self.metrics.phase_seconds.labels(self.metrics.role, routed.phase).observe(now - routed.phase_since)
+        outcome, reason = routed.outcome
+        self.metrics.record_finish(outcome, reason)
+        if outcome == "success" and routed.first_token_at is not None and routed.tokens > 1:
+            self.metrics.tpot.labels(self.metrics.role).observe((now - routed.first_token_at) / (routed.tokens - 1))
+        ttft = round(routed.first_token_at - routed.arrival, 3) if routed.first_token_at is not None else None
+        pair = routed.current.pair if routed.current else None
+        log.info("request finished", extra={
+            "rid": routed.rid, "room": routed.room, "outcome": outcome, "reason": reason, "attempts": routed.attempt,
+            "tokens": routed.tokens, "ttft": ttft, "duration": round(now - routed.arrival, 3),
+            "prefill": pair.prefill.url if pair else None, "decode": pair.decode.url if pair else None})
+
+    def _spawn(self, coro: Coroutine) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- observability ---------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        # Runs on a scrape thread: list() copies the dict's values in one step under the GIL.
+        live, now = list(self._live.values()), self.clock.now()
+        return Snapshot(phases={phase: [now - r.arrival for r in live if r.phase == phase] for phase in PHASES})
+
+    def debug_rows(self) -> list[dict]:
+        now = self.clock.now()
+        return [r.row(now) for r in list(self._live.values())]
+
+    async def debug_view(self) -> dict:
+        """The router's live requests, and every worker's view of its own ({role,
+        requests, phases}, or {"error"} for a worker that did not answer)."""
+        rows, urls = self.debug_rows(), self.table.urls()
+        views = await asyncio.gather(*(self.api.debug_requests(url) for url in urls))
+        return {"requests": rows, "workers": dict(zip(urls, views))}
+
+    async def close(self) -> None:
+        """Let the aborts already sent reach their workers (briefly)."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=ABORT_TIMEOUT)
+
+
+# ---------------------------------------------------------------- serving
+
+def router_app(router: RouterClient) -> FastAPI:
+    """The OpenAI API over the router, /metrics, /debug/requests (the router's requests and
+    every worker's), and GET /workers (the worker table)."""
+    extra = APIRouter()
+
+    @extra.get("/workers")
+    async def workers() -> dict:
+        return {"workers": router.table.rows()}
+
+    observe = observability_router(router.metrics, router.debug_view)
+    return build_openai_app(router, extra_routes=[observe, extra])
+
+
+def router_tokenizer(opts: ModelOptions):
+    """The tokenizer of --model (no weights). Raises StartupError."""
+    from kvrelay.engine.loader import ModelLoadError, load_tokenizer
+
+    try:
+        return load_tokenizer(opts)
+    except ModelLoadError as exc:
+        raise StartupError(str(exc)) from None
+
+
+def worker_table(cfg: RouterConfig, clock: Clock) -> WorkerTable:
+    """The table of --prefill and --decode workers, all down until their first check.
+    Raises StartupError for a URL that is not http(s)://host:port or is listed twice."""
+    for url in cfg.prefill + cfg.decode:
+        if not url.startswith(("http://", "https://")):
+            raise StartupError(f"worker URL {url!r} must start with http:// (e.g. http://10.0.0.5:8000)")
+    try:
+        return WorkerTable([u.rstrip("/") for u in cfg.prefill], [u.rstrip("/") for u in cfg.decode], clock)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+
+
+async def run_router(config: KVRelayConfig, table: WorkerTable, tokenizer,
+                     banner: Callable[[RouterClient], str]) -> None:
+    """Wait for the workers in `table` (bounded by --startup-timeout), print
+    `banner(router)`, serve on --host/--port until SIGINT/SIGTERM. Raises StartupError."""
+    cfg, srv = config.router, config.server
+    api = WorkerAPI(cfg)
+    try:
+        monitor = WorkerMonitor(table, api, cfg)
+        model, max_model_len = await monitor.wait_ready(config.cluster.startup_timeout, table.clock)
+        router = RouterClient(cfg, table, api, monitor, tokenizer, model, max_model_len, table.clock)
+        server = uvicorn.Server(uvicorn.Config(router_app(router), host=srv.host, port=srv.port,
+                                               log_level=srv.log_level, access_log=False,
+                                               timeout_graceful_shutdown=SHUTDOWN_GRACE))
+        print(banner(router), flush=True)
+        health = asyncio.create_task(monitor.run())
+        try:
+            await server.serve()
+        finally:
+            health.cancel()
+            await router.close()
+    finally:
+        await api.close()
+
+
+def serve_router(config: KVRelayConfig) -> None:
+    """`kvrelay router --prefill URL... --decode URL...`; blocks. Raises StartupError."""
+    table = worker_table(config.router, MonotonicClock())
+    tokenizer = router_tokenizer(config.model)
+    setup_logging(config.server.log_level)
+    stop_on_sigterm()
+    srv, cfg = config.server, config.router
+
+    def banner(router: RouterClient) -> str:
+        return (f"kvrelay router: model {router.model_name} (max_model_len {router.max_model_len}), "
+                f"{len(cfg.prefill)} prefill + {len(cfg.decode)} decode workers, "
+                f"serving on http://{srv.host}:{srv.port}")
+
+    asyncio.run(run_router(config, table, tokenizer, banner))

@@ -1,0 +1,190 @@
+"""The router's side of the router<->worker protocol (`kvrelay.server.worker_protocol`),
+over httpx, and the health checks that keep the router's worker table current.
+
+Two connection pools: `streams` for the `POST /generate` legs (no read timeout: a leg
+streams for as long as its request decodes, bounded by the router's end-to-end
+deadline), and `control` for health checks, aborts and debug views, with a short
+timeout, so that a full stream pool never delays noticing a dead worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import AsyncIterator
+
+import httpx
+
+from kvrelay.core.clock import Clock
+from kvrelay.core.config import RouterConfig
+from kvrelay.engine.types import FinishReason, RequestRejected, StepOutput
+from kvrelay.server.errors import StartupError
+from kvrelay.server.pairing import ROLES, Change, WorkerTable
+from kvrelay.server.worker_protocol import AbortRequest, LegRequest, WorkerHealth, output_from_json
+
+log = logging.getLogger("kvrelay.router")
+
+PEER_FAILED = "peer_failed"
+CONNECT_TIMEOUT = 5.0
+ABORT_TIMEOUT = 2.0
+
+
+class LegFailure(Exception):
+    """A leg (or a whole try) that failed. `reason` is a lifecycle reason code
+    (peer_failed, timeout:<phase>, transfer_error, overloaded, aborted, ...); `broken`
+    means the worker could not be reached or its stream broke, so it counts as down."""
+
+    def __init__(self, reason: str, detail: str, url: str | None = None, broken: bool = False) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail, self.url, self.broken = reason, detail, url, broken
+
+
+def failure_of(out: StepOutput, url: str) -> LegFailure:
+    """The failure a worker reported as a final output ("<reason code>: <detail>")."""
+    text = out.error or ("aborted: the worker aborted the leg" if out.finish_reason is FinishReason.ABORT
+                         else "internal_error: the worker failed the leg")
+    reason, _, detail = text.partition(": ")
+    return LegFailure(reason.strip() or "internal_error", detail or "no detail", url)
+
+
+def _http_failure(status: int, body: bytes, url: str) -> Exception:
+    """HTTP 400 before streaming: the request can never be served (the client gets the
+    same 400). Any other status: this try failed with the code the worker named."""
+    try:
+        err = json.loads(body)["error"]
+        message, param, code = str(err["message"]), err.get("param"), err.get("code")
+    except (ValueError, KeyError, TypeError):
+        message, param, code = body.decode(errors="replace")[:200] or f"HTTP {status}", None, None
+    if status == 400:
+        return RequestRejected(message, param, code or "invalid_request")
+    return LegFailure(code or f"http_{status}", f"{url} answered HTTP {status}: {message}", url)
+
+
+def _describe(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+class WorkerAPI:
+    def __init__(self, cfg: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        """`transport` replaces the network (tests)."""
+        legs = 2 * cfg.max_queued_requests
+        self.streams = httpx.AsyncClient(
+            transport=transport, timeout=httpx.Timeout(CONNECT_TIMEOUT, read=None, pool=None),
+            limits=httpx.Limits(max_connections=legs + 16, max_keepalive_connections=min(legs, 64)))
+        self.control = httpx.AsyncClient(transport=transport, timeout=cfg.health_timeout,
+                                         limits=httpx.Limits(max_connections=64, max_keepalive_connections=16))
+
+    async def close(self) -> None:
+        await self.streams.aclose()
+        await self.control.aclose()
+
+    async def generate(self, url: str, leg: LegRequest) -> AsyncIterator[StepOutput]:
+        """The outputs of one leg, the last with `finish_reason` set. Raises
+        `RequestRejected` (HTTP 400) or `LegFailure`. Closing the iterator early closes the
+        stream, which aborts the leg on the worker."""
+        try:
+            async with self.streams.stream("POST", f"{url}/generate", content=leg.model_dump_json(),
+                                           headers={"content-type": "application/json"}) as resp:
+                if resp.status_code != 200:
+                    raise _http_failure(resp.status_code, await resp.aread(), url)
+                async for line in resp.aiter_lines():
+                    if not line.strip():
+                        continue
+                    out = output_from_json(line)
+                    yield out
+                    if out.finished:
+                        return
+            raise LegFailure(PEER_FAILED, f"{url} ended the stream before the final output", url, broken=True)
+        except httpx.TransportError as exc:
+            raise LegFailure(PEER_FAILED, f"{url}: {_describe(exc)}", url, broken=True) from None
+        except (ValueError, KeyError, TypeError) as exc:  # a line that is not a StepOutput
+            raise LegFailure("internal_error", f"{url} sent a malformed output: {_describe(exc)}", url) from None
+
+    async def abort(self, url: str, rid: str) -> None:
+        """Fire-and-forget: a worker that cannot be reached has nothing left to abort."""
+        try:
+            await self.control.post(f"{url}/abort", content=AbortRequest(rid=rid).model_dump_json(),
+                                     headers={"content-type": "application/json"}, timeout=ABORT_TIMEOUT)
+        except httpx.HTTPError as exc:
+            log.debug("abort not delivered", extra={"rid": rid, "worker": url, "error": _describe(exc)})
+
+    async def health(self, url: str) -> WorkerHealth:
+        """Raises LegFailure when the worker cannot be reached or answers anything but a
+        valid WorkerHealth."""
+        try:
+            resp = await self.control.get(f"{url}/health")
+            resp.raise_for_status()
+            return WorkerHealth.model_validate_json(resp.content)
+        except (httpx.HTTPError, ValueError) as exc:
+            raise LegFailure(PEER_FAILED, _describe(exc), url, broken=True) from None
+
+    async def debug_requests(self, url: str) -> dict:
+        """The worker's live requests ({role, requests, phases}), or {"error": ...}."""
+        try:
+            resp = await self.control.get(f"{url}/debug/requests")
+            resp.raise_for_status()
+            body = resp.json()
+            return {"role": body.get("role"), "requests": body.get("requests", []), "phases": body.get("phases", {})}
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            return {"error": _describe(exc)}
+
+
+class WorkerMonitor:
+    """Keeps the table's up/down marks current by checking every worker's /health, down
+    ones too (so they rejoin). A worker that reports the wrong role, or another model
+    than the one the router serves, stays down."""
+
+    def __init__(self, table: WorkerTable, api: WorkerAPI, cfg: RouterConfig) -> None:
+        self.table, self.api, self.cfg = table, api, cfg
+        self.model: str | None = None     # fixed by wait_ready
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(url) for url in self.table.urls()))
+
+    async def check(self, url: str) -> None:
+        try:
+            health = await self.api.health(url)
+        except LegFailure as exc:
+            self.failed(url, exc.detail)
+            return
+        role = self.table.get(url).role
+        if health.role != role:
+            self.failed(url, f"reports role {health.role}, but was given as a {role} worker")
+        elif self.model is not None and health.model != self.model:
+            self.failed(url, f"serves model {health.model}, not {self.model}")
+        else:
+            change = self.table.mark_ok(url, health)
+            if change is not None:
+                level = logging.WARNING if change is Change.RESTARTED else logging.INFO
+                log.log(level, f"worker {change.value}", extra={"worker": url, "role": role,
+                                                                "incarnation": health.incarnation})
+
+    def failed(self, url: str, error: str) -> None:
+        if self.table.mark_failed(url, error) is Change.WENT_DOWN:
+            log.warning("worker down", extra={"worker": url, "role": self.table.get(url).role, "error": error})
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health_interval)
+            await self.check_all()
+
+    async def wait_ready(self, timeout: float, clock: Clock) -> tuple[str, int]:
+        """Wait until each role has an up worker; returns (model name, max_model_len).
+        Raises StartupError after `timeout` seconds, or if the workers disagree on the model."""
+        deadline = clock.now() + timeout
+        while True:
+            await self.check_all()
+            missing = [role for role in ROLES if not self.table.up(role)]
+            if not missing:
+                break
+            if clock.now() >= deadline:
+                raise StartupError(f"no healthy {missing[0]} worker after {timeout:g} s "
+                                   f"({self.table.down_reasons(missing[0])})")
+            await asyncio.sleep(min(self.cfg.health_interval, 0.5))
+        up = [w for role in ROLES for w in self.table.up(role)]
+        models = {w.health.model for w in up}
+        if len(models) > 1:
+            raise StartupError("the workers serve different models: "
+                               + ", ".join(f"{w.url} serves {w.health.model}" for w in up))
+        self.model = models.pop()
+        return self.model, min(w.health.max_model_len for w in up)

@@ -1,0 +1,162 @@
+"""A disaggregated cluster of real processes for chaos tests: prefill and decode workers
+(`kvrelay prefill|decode`) and a router (`kvrelay router`), each on its own port, with
+their logs in files so a failing test can show them."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from serving_helpers import free_port, gauge, metric_samples
+
+# Short leases so that failures show within seconds; long backstops so that a test passing
+# proves the lease (not a fixed timeout) ended the request.
+LIFECYCLE_FLAGS = ("--heartbeat-interval", "0.5", "--heartbeat-misses", "3", "--bootstrap-timeout", "30",
+                   "--queue-timeout", "60", "--waiting-timeout", "60", "--transfer-timeout", "60",
+                   "--quarantine-grace", "1")
+LEASE = 0.5 * 3
+
+
+class Proc:
+    def __init__(self, name: str, argv: list[str], port: int, log_dir: Path) -> None:
+        self.name, self.argv, self.port = name, argv, port
+        self.log = log_dir / f"{name}.log"
+        self.popen: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "Proc":
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
+                   UCX_MODULES="^ib")
+        with open(self.log, "ab") as out:
+            self.popen = subprocess.Popen([sys.executable, "-m", "kvrelay", *self.argv, "--port", str(self.port)],
+                                          stdout=out, stderr=subprocess.STDOUT, env=env)
+        return self
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.popen is not None
+            if self.popen.poll() is not None:
+                raise AssertionError(f"{self.name} exited with {self.popen.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name} did not become healthy:\n{self.tail()}")
+            time.sleep(0.3)
+
+    def signal(self, sig: int) -> None:
+        assert self.popen is not None
+        self.popen.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        self.popen.send_signal(signal.SIGCONT)
+        self.popen.terminate()
+        try:
+            self.popen.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+class Cluster:
+    """1+ prefill and 1+ decode workers and a router over them, all on localhost."""
+
+    def __init__(self, model_args: list[str], worker_args: list[str] = (), num_prefill: int = 1,
+                 num_decode: int = 2, backend: str = "shm") -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="kvrelay-cluster-"))
+        worker = [*model_args, *worker_args, "--transfer-backend", backend, *LIFECYCLE_FLAGS]
+        self.prefill = [Proc(f"prefill-{i}", ["prefill", *worker], free_port(), self.dir) for i in range(num_prefill)]
+        self.decode = [Proc(f"decode-{i}", ["decode", *worker], free_port(), self.dir) for i in range(num_decode)]
+        router = ["router", *model_args, "--prefill", *[p.url for p in self.prefill],
+                  "--decode", *[d.url for d in self.decode], "--health-interval", "0.5", "--health-timeout", "1",
+                  "--request-timeout", "120"]
+        self.router = Proc("router", router, free_port(), self.dir)
+
+    @property
+    def workers(self) -> list[Proc]:
+        return self.prefill + self.decode
+
+    @property
+    def url(self) -> str:
+        return self.router.url
+
+    def start(self) -> "Cluster":
+        for p in self.workers:
+            p.start()
+        for p in self.workers:
+            p.wait_healthy()
+        self.router.start().wait_healthy()
+        self.wait_router_sees_all()
+        return self
+
+    def wait_router_sees_all(self, timeout: float = 30.0) -> None:
+        """Until the router counts every worker as up."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            table = httpx.get(f"{self.url}/workers", timeout=5).json()
+            if all_up(table, len(self.workers)):
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"router does not see every worker up: {table}")
+
+    def stop(self) -> None:
+        for p in [self.router, *self.workers]:
+            p.stop()
+
+    def logs(self) -> str:
+        return "\n\n".join(f"== {p.name}\n{p.tail()}" for p in [self.router, *self.workers])
+
+    def set_faults(self, procs: list[Proc], spec: str) -> None:
+        for p in procs:
+            r = httpx.post(f"{p.url}/debug/faults", json={"spec": spec}, timeout=10)
+            assert r.status_code == 200, r.text
+
+    def assert_no_leak(self, timeout: float = 15.0) -> None:
+        """Every phase gauge 0 on every process; free pages == total pages on each worker."""
+        deadline = time.monotonic() + timeout
+        while True:
+            bad = {}
+            for p in [self.router, *self.workers]:
+                s = metric_samples(p.url)
+                phases = gauge(s, "kvrelay_requests")
+                free, total = gauge(s, "kvrelay_kv_pages_free"), gauge(s, "kvrelay_kv_pages_total")
+                if not phases or any(phases) or free != total:
+                    bad[p.name] = (phases, free, total)
+            if not bad:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"leak: {bad}\n{self.logs()}")
+            time.sleep(0.2)
+
+
+def all_up(table, n: int) -> bool:
+    rows = table.get("workers", table) if isinstance(table, dict) else table
+    return len(rows) == n and all(w.get("up") for w in rows)
+
+
+def phase_gauges(url: str) -> dict[str, float]:
+    return {dict(ls)["phase"]: v for (n, ls), v in metric_samples(url).items() if n == "kvrelay_requests"}
+
+
+def finished(url: str, **labels) -> float:
+    return sum(gauge(metric_samples(url), "kvrelay_requests_finished_total", **labels))

@@ -1,0 +1,66 @@
+"""End to end on the real default model: `kvrelay serve` (the local cluster, as `make run`
+starts it) answers the official openai client, and for 20 prompts its greedy output is
+token for token what `kvrelay serve --mode colocated` produces, on every transfer backend."""
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from serving_helpers import assert_no_leak, running_server
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPTS = [
+    "The capital of France is", "Write a haiku about the sea:", "def fibonacci(n):", "1, 2, 3, 4,",
+    "The quick brown fox", "Translate to French: good morning", "List three colors:", "Once upon a time",
+    "The theory of relativity says", "A recipe for pancakes:", "Q: What is 7 times 8?\nA:",
+    "The largest planet in the solar system is", "Dear hiring manager,", "import numpy as np\n",
+    "The three laws of robotics are", "Why is the sky blue?", "The opposite of hot is",
+    "Shakespeare wrote", "In 1969, humans", "The best way to learn a language is",
+]
+MAX_TOKENS = 24
+SERVER_ARGS = ("--max-kv-tokens", "16384")
+
+
+def greedy_outputs(url: str) -> list[list[int]]:
+    """One prompt at a time, so both modes run the very same batch shapes."""
+    out = []
+    with httpx.Client(timeout=120) as client:
+        for prompt in PROMPTS:
+            r = client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": MAX_TOKENS,
+                                                           "temperature": 0, "logprobs": 0})
+            assert r.status_code == 200, r.text
+            lp = r.json()["choices"][0]["logprobs"]
+            out.append(lp["tokens"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def colocated_tokens():
+    with running_server("--mode", "colocated", *SERVER_ARGS) as url:
+        return greedy_outputs(url)
+
+
+def test_local_cluster_answers_the_openai_client():
+    with running_server(*SERVER_ARGS) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+        model = client.models.list().data[0].id
+        assert model == "smollm2-135m-instruct"
+        reply = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=40, temperature=0)
+        assert "Paris" in reply.choices[0].message.content
+        stream = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=40, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == reply.choices[0].message.content
+        assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+        assert_no_leak(url)
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp", "nixl"])
+def test_same_tokens_as_colocated(backend, colocated_tokens):
+    with running_server("--transfer-backend", backend, *SERVER_ARGS) as url:
+        got = greedy_outputs(url)
+        assert_no_leak(url)
+    for prompt, want, have in zip(PROMPTS, colocated_tokens, got):
+        assert have == want, prompt

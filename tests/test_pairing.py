@@ -1,0 +1,138 @@
+"""The router's worker table: who is up, and which (prefill, decode) pair a request gets."""
+from __future__ import annotations
+
+import pytest
+
+from kvrelay.core.clock import SimClock
+from kvrelay.server.pairing import Change, NoPair, Pair, WorkerTable
+from kvrelay.server.worker_protocol import WorkerHealth
+
+P1, P2 = "http://p1:8000", "http://p2:8000"
+D1, D2, D3 = "http://d1:8000", "http://d2:8000", "http://d3:8000"
+
+
+def health(role: str, queued: int = 0, free: int = 100, incarnation: str = "a") -> WorkerHealth:
+    return WorkerHealth(role=role, worker_id="w", incarnation=incarnation, model="m", max_model_len=2048,
+                        transfer_backend="shm", transfer_address="tcp://127.0.0.1:5000", live_requests=queued,
+                        queued_requests=queued, free_pages=free, total_pages=100)
+
+
+def table(prefill=(P1,), decode=(D1,), clock=None) -> WorkerTable:
+    t = WorkerTable(prefill, decode, clock or SimClock())
+    for url in t.urls():
+        t.mark_ok(url, health(t.get(url).role))
+    return t
+
+
+def pick(t: WorkerTable, **kw) -> tuple[str, str]:
+    pair = t.pick_pair(**kw)
+    assert isinstance(pair, Pair), pair
+    return pair.prefill.url, pair.decode.url
+
+
+def test_the_least_queued_workers_are_picked():
+    t = table(prefill=(P1, P2), decode=(D1, D2))
+    t.mark_ok(P1, health("prefill", queued=3))
+    t.mark_ok(D2, health("decode", queued=1))
+    assert pick(t) == (P2, D1)
+
+
+def test_legs_the_router_has_open_count_as_load_until_they_end():
+    t = table(prefill=(P1, P2))
+    t.leg_started(P1)
+    t.leg_started(P1)
+    assert pick(t)[0] == P2
+    t.leg_started(P2)
+    assert pick(t)[0] == P2   # 1 open leg beats 2
+    t.leg_ended(P1)
+    t.leg_ended(P1)
+    assert pick(t)[0] == P1
+    assert t.get(P1).outstanding == 0
+
+
+def test_leg_ended_without_leg_started_is_refused():
+    t = table()
+    with pytest.raises(ValueError):
+        t.leg_ended(P1)
+
+
+def test_among_equal_queues_the_decode_worker_with_more_free_pages_wins():
+    t = table(decode=(D1, D2, D3))
+    t.mark_ok(D1, health("decode", free=10))
+    t.mark_ok(D2, health("decode", free=90))
+    t.mark_ok(D3, health("decode", queued=1, free=100))
+    assert [pick(t)[1] for _ in range(3)] == [D2, D2, D2]
+
+
+def test_equally_loaded_workers_take_turns():
+    t = table(prefill=(P1, P2), decode=(D1, D2, D3))
+    picks = [pick(t) for _ in range(6)]
+    assert [p for p, _ in picks] == [P1, P2, P1, P2, P1, P2]
+    assert [d for _, d in picks] == [D1, D2, D3, D1, D2, D3]
+
+
+def test_round_robin_skips_a_worker_that_is_down_and_continues_after_it_rejoins():
+    t = table(decode=(D1, D2, D3))
+    assert pick(t)[1] == D1
+    t.mark_failed(D2, "connection refused")
+    assert [pick(t)[1] for _ in range(3)] == [D3, D1, D3]
+    t.mark_ok(D2, health("decode"))
+    assert [pick(t)[1] for _ in range(3)] == [D1, D2, D3]
+
+
+def test_one_failure_marks_a_worker_down_and_a_good_check_brings_it_back():
+    clock = SimClock()
+    t = table(decode=(D1, D2), clock=clock)
+    clock.advance(5)
+    assert t.mark_failed(D1, "ConnectError: refused") is Change.WENT_DOWN
+    assert t.mark_failed(D1, "ConnectError: refused") is None   # already down
+    row = next(r for r in t.rows() if r["url"] == D1)
+    assert (row["up"], row["failures"], row["last_error"]) == (False, 2, "ConnectError: refused")
+    assert {pick(t)[1] for _ in range(4)} == {D2}
+    clock.advance(2)
+    assert t.mark_ok(D1, health("decode")) is Change.REJOINED
+    row = next(r for r in t.rows() if r["url"] == D1)
+    assert (row["up"], row["failures"], row["last_error"], row["for_s"]) == (True, 0, None, 0.0)
+    assert {pick(t)[1] for _ in range(4)} == {D1, D2}
+
+
+def test_health_changes_are_reported_once():
+    t = WorkerTable((P1,), (D1,), SimClock())
+    assert t.mark_ok(P1, health("prefill")) is Change.JOINED
+    assert t.mark_ok(P1, health("prefill", queued=2)) is None
+    assert t.mark_ok(P1, health("prefill", incarnation="b")) is Change.RESTARTED
+    t.mark_failed(P1, "gone")
+    assert t.mark_ok(P1, health("prefill", incarnation="c")) is Change.RESTARTED   # restarted while down
+    assert t.get(P1).up
+
+
+def test_no_pair_names_the_role_without_a_healthy_worker():
+    t = WorkerTable((P1,), (D1, D2), SimClock())
+    t.mark_ok(P1, health("prefill"))
+    result = t.pick_pair()
+    assert isinstance(result, NoPair)
+    assert "no healthy decode worker" in result.message and "not checked yet" in result.message
+    t.mark_ok(D2, health("decode"))
+    t.mark_failed(P1, "ReadTimeout")
+    result = t.pick_pair()
+    assert isinstance(result, NoPair)
+    assert result.message == f"no healthy prefill worker ({P1}: ReadTimeout)"
+
+
+def test_excluded_workers_are_used_only_when_their_role_has_no_other():
+    t = table(prefill=(P1,), decode=(D1, D2))
+    for _ in range(4):
+        assert pick(t, exclude={P1, D1}) == (P1, D2)
+    t.mark_ok(D2, health("decode", queued=50))
+    assert pick(t, exclude={D1}) == (P1, D2)   # even when more loaded
+    t.mark_failed(D2, "down")
+    assert pick(t, exclude={D1}) == (P1, D1)
+
+
+def test_a_worker_table_needs_each_role_and_distinct_urls():
+    with pytest.raises(ValueError, match="no decode worker"):
+        WorkerTable((P1,), (), SimClock())
+    with pytest.raises(ValueError, match="listed twice"):
+        WorkerTable((P1,), (P1,), SimClock())
+    t = WorkerTable((P1,), (D1,), SimClock())
+    assert not t.up("prefill") and not t.up("decode")   # nobody is up before a good check
