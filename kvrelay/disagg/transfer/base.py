@@ -77,6 +77,8 @@ class WriteJob:
     handle: Any = None
     fault: str | None = None  # injected: "hang" (never started, never stops) or "fail"
     started: float = 0.0      # manager clock when the write started
+    aux: wire.Aux | None = None   # what D gets once every byte landed
+    aux_in_band: bool = False     # the backend delivers `aux` itself, after the data (NIXL notif)
 
     def finish(self) -> None:
         if self.state is WriteState.PENDING:

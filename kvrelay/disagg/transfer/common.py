@@ -108,7 +108,7 @@ class CommonSender(_Endpoint, KVSender):
             return
         self.pending_aux = replace(aux, room=self.room, epoch=dest.epoch)
         runs = paired_runs(src_pages, dest.dst_pages, self.m.layout.page_bytes)
-        self.job = WriteJob(self.room, dest.epoch, peer, tuple(src_pages), dest.dst_pages, runs)
+        self.job = WriteJob(self.room, dest.epoch, peer, tuple(src_pages), dest.dst_pages, runs, aux=self.pending_aux)
         self.status = S.TRANSFERRING
         self.m.start_job(self.job)
         self.pump()
@@ -132,7 +132,8 @@ class CommonSender(_Endpoint, KVSender):
         elif job.state is WriteState.DONE and not self.aux_sent:
             self.aux_sent = True
             self.m.record_write(job)
-            self.resend()
+            if not job.aux_in_band:
+                self.resend()
 
     def _send_stopped(self) -> None:
         self.stopped_sent = True

@@ -3,8 +3,9 @@
 Each worker owns one NIXL agent (named after its incarnation) and registers its KV pool
 with it. The agent's metadata and the pool's address travel in the bootstrap endpoint, so
 no NIXL listener or metadata server is needed. P posts one WRITE per room (every page run
-as one descriptor) and polls it from progress(); the common code sends Aux once the WRITE
-reports DONE, which for UCX means the bytes are visible in D's memory.
+as one descriptor) with the room's Aux as the WRITE's notification: NIXL delivers it to D
+after the data, so Aux still travels last and needs no control hop of its own. P polls
+the WRITE from progress(); DONE means the bytes are visible in D's memory.
 
 Invariants:
 - Nothing here blocks: posting and state checks return at once; no progress thread runs
@@ -28,6 +29,8 @@ os.environ.setdefault("UCX_MODULES", "^ib")
 
 from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 
+from kvrelay.disagg import wire  # noqa: E402
+from kvrelay.disagg.channel import Received  # noqa: E402
 from kvrelay.disagg.transfer.base import PeerInfo, WriteJob  # noqa: E402
 from kvrelay.disagg.transfer.common import CommonManager  # noqa: E402
 
@@ -94,7 +97,17 @@ class NixlManager(CommonManager):
                 pass
 
     def progress(self) -> None:
-        self.agent.get_new_notifs()  # drives UCX: connection set-up, target-side progress
+        # Drives UCX (connection set-up, target-side progress) and collects the Aux that
+        # P's writes carry as their notification: it arrives after the write's data.
+        for msgs in self.agent.get_new_notifs().values():
+            for raw in msgs:
+                try:
+                    src, msg = wire.decode(raw)
+                except wire.WireError:
+                    continue
+                if isinstance(msg, wire.Aux):
+                    self._heard[src] = self.clock.now()
+                    self._dispatch_room(Received(src, msg))
         super().progress()
 
     # ---- P side ----------------------------------------------------------------------------
@@ -118,8 +131,13 @@ class NixlManager(CommonManager):
             job.fail(f"NIXL write could not be prepared: {e}")
             return
         self._handles.add(job.handle)
+        # Aux rides on the write as its notification (one control hop fewer); a dropped one
+        # (fault injection) is recovered like a lost control Aux, by resending over the channel.
+        notif = b""
+        if job.aux is not None and not self.faults.drops(job.aux):
+            notif, job.aux_in_band = wire.encode(job.aux, self.address), True
         try:
-            state = self.agent.transfer(job.handle)
+            state = self.agent.transfer(job.handle, notif)
         except Exception as e:  # noqa: BLE001
             state = f"ERR ({e})"
         self._settle(job, state)
