@@ -223,10 +223,14 @@ class PagedAttention(nn.Module):
                               self.num_kv_heads, kv.layout.page_size, self.head_dim ** -0.5)
             return out.view(-1, self.num_heads * self.head_dim).to(q.dtype)
         queries = q[meta.q_index]                                      # [B, max_q, Hq, D]
-        if b.no_prefix:
+        causal = b.no_prefix
+        if causal:
+            # Every sequence starts at position 0 and is right-padded, so the causal mask
+            # is exactly the mask for every real query row (padded rows are dropped), and
+            # torch's flash kernel skips the blocks above the diagonal (2x faster here).
             keys = k[meta.q_index].transpose(1, 2)                     # [B, Hkv, max_q, D]
             values = v[meta.q_index].transpose(1, 2)
-            mask = meta.mask[..., : keys.shape[2]]
+            mask = None
         else:
             keys, values = kv.gather(self.layer, meta.read_rows, b.batch_size)  # [Hkv, B, max_kv, D]
             keys, values, mask = keys.to(q.dtype), values.to(q.dtype), meta.mask
@@ -235,7 +239,7 @@ class PagedAttention(nn.Module):
             keys, values = keys.transpose(0, 1), values.transpose(0, 1)
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2), keys, values,
-            attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+            attn_mask=mask, is_causal=causal, enable_gqa=self.num_heads != self.num_kv_heads)
         out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)  # [B * max_q, Hq * D]
         return out[meta.row_slot]
 
