@@ -91,3 +91,20 @@ def test_leases_death_restart_and_stale():
     assert leases.dead() == ["a"]
     assert leases.on_heartbeat("a", hb(1, inc="i2")) == "restarted"
     assert leases.dead() == [] and leases.peers["a"].incarnation == "i2"
+
+
+def test_any_message_renews_a_lease():
+    """A peer that forgot us sends a BootstrapQuery before its next heartbeat: any message
+    proves its loop alive. Messages from peers without a lease start none."""
+    clock = SimClock()
+    leases = Leases(CFG, clock)
+    timeout = CFG.heartbeat_interval * CFG.heartbeat_misses
+    leases.expect("a")
+    clock.advance(timeout - 0.1)
+    leases.heard({"a": clock.now(), "stranger": clock.now()})
+    assert "stranger" not in leases.peers
+    clock.advance(timeout - 0.1)
+    assert leases.dead() == []
+    leases.heard({"a": clock.now() - timeout})  # an older message never shortens the lease
+    clock.advance(0.2)
+    assert leases.dead() == ["a"]
