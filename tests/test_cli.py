@@ -32,10 +32,13 @@ def test_help_lists_flags_from_the_config():
 
 # ---------------------------------------------------------------- the disaggregated commands
 
+import contextlib
 import dataclasses
+import os
+import re
 import signal
-import textwrap
 import time
+from pathlib import Path
 
 import httpx
 
@@ -83,6 +86,9 @@ def test_worker_flags_round_trip_through_the_flags_a_cluster_forwards():
     for section in WORKER_SECTIONS:
         assert getattr(again, section) == getattr(config, section)
     assert (again.server.host, again.server.port) == ("127.0.0.1", 4321)
+    fixed = dataclasses.replace(config, transfer=TransferConfig(transfer_port=7000))
+    ports = [parse(*worker_argv(fixed, "decode", 1, i)[3:]).transfer.transfer_port for i in range(3)]
+    assert ports == [7000, 7001, 7002]  # one fixed port per local worker, no clash
 
 
 @pytest.mark.parametrize("args,words", [
@@ -120,157 +126,206 @@ def test_every_command_has_help(command):
         assert flag in out
 
 
-# ---------------------------------------------------------------- the local cluster, with stand-in workers
+# ---------------------------------------------------------------- `kvrelay serve`: the local cluster, real workers
 
-# A stand-in worker (stdlib only) that speaks the worker protocol: health, a prefill leg of
-# one line, a decode leg of `max_tokens` tokens " t0 t1 ...". FAKE_FAIL=<role> makes that
-# role exit at startup the way a real worker reports a bad flag.
-FAKE_WORKER = textwrap.dedent('''
-    import http.server, json, os, sys
-    role, port = sys.argv[1], int(sys.argv[sys.argv.index("--port") + 1])
-    if os.environ.get("FAKE_FAIL") == role:
-        print("loading the model", flush=True)
-        print("kvrelay: error: model path '/nope' does not exist", flush=True)
-        sys.exit(3)
-
-    def line(rid, ids, text, finish):
-        return (json.dumps({"rid": rid, "token_ids": ids, "text": text, "logprobs": [], "prompt_tokens": 0,
-                            "completion_tokens": 0, "finish_reason": finish, "error": None}) + "\\n").encode()
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def reply(self, body, kind="application/json"):
-            self.send_response(200)
-            self.send_header("content-type", kind)
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self):
-            self.reply(json.dumps({"role": role, "worker_id": role, "incarnation": str(os.getpid()), "model": "fake",
-                                   "max_model_len": 512, "transfer_backend": "fake", "transfer_address": "tcp://x:1",
-                                   "live_requests": 0, "queued_requests": 0, "free_pages": 1, "total_pages": 1,
-                                   "omp": os.environ.get("OMP_NUM_THREADS")}).encode())
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-            if self.path == "/abort":
-                return self.reply(b'{"aborted": false}')
-            n = body["sampling"]["max_tokens"]
-            if role == "prefill":
-                return self.reply(line(body["rid"], [1], "", "length"), "application/x-ndjson")
-            self.reply(b"".join(line(body["rid"], [i + 1], f" t{i}", "length" if i == n - 1 else None)
-                                for i in range(n)), "application/x-ndjson")
-
-        def log_message(self, *args):
-            pass
-
-    print(f"fake {role} ready pid={os.getpid()}", flush=True)
-    http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
-''')
-
-
-@pytest.fixture
-def fake_worker(tmp_path, monkeypatch):
-    import kvrelay.server.cluster as cluster
-
-    script = tmp_path / "fake_worker.py"
-    script.write_text(FAKE_WORKER)
-    monkeypatch.setattr(cluster, "worker_argv",
-                        lambda config, role, port: [sys.executable, str(script), role, "--port", str(port)])
-    return script
+def children(pid: int) -> list[int]:
+    """The processes (zombies aside) whose parent is `pid`, from /proc/*/stat."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid and fields[0] not in "ZX":
+            kids.append(int(stat.parent.name))
+    return sorted(kids)
 
 
 def gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] in "ZX"   # a zombie has exited
+            return f.read().rsplit(")", 1)[1].split()[0] in "ZX"   # a zombie has exited
     except FileNotFoundError:
         return True
 
 
-def test_the_local_cluster_starts_its_workers_waits_for_them_and_stops_them(fake_worker, capsys):
-    from kvrelay.server.cluster import LocalCluster
-
-    config = dataclasses.replace(KVRelayConfig(), cluster=dataclasses.replace(
-        KVRelayConfig().cluster, num_prefill=1, num_decode=2, worker_threads=3, startup_timeout=60))
-    cluster = LocalCluster(config)
-    try:
-        cluster.start()
-        cluster.wait_ready()
-        assert len(cluster.urls("prefill")) == 1 and len(set(cluster.urls("decode"))) == 2
-        health = httpx.get(f"{cluster.urls('decode')[1]}/health").json()
-        assert (health["role"], health["omp"]) == ("decode", "3")
-    finally:
-        cluster.stop()
-    assert all(w.proc.returncode is not None for w in cluster.workers)
-    err = capsys.readouterr().err
-    for name in ("prefill-0", "decode-0", "decode-1"):
-        assert f"[{name}] fake {name.split('-')[0]} ready" in err
-
-
-def test_a_worker_that_exits_at_startup_stops_the_cluster_with_its_error(fake_worker, monkeypatch):
-    from kvrelay.server.cluster import LocalCluster
-    from kvrelay.server.errors import StartupError
-
-    monkeypatch.setenv("FAKE_FAIL", "decode")
-    cluster = LocalCluster(KVRelayConfig())
-    try:
-        cluster.start()
-        with pytest.raises(StartupError) as err:
-            cluster.wait_ready()
-    finally:
-        cluster.stop()
-    assert str(err.value) == "decode worker 0 exited with code 3: model path '/nope' does not exist"
-    assert all(w.proc.returncode is not None for w in cluster.workers)
-
-
-def test_a_worker_dies_with_its_parent(tmp_path):
-    parent = tmp_path / "parent.py"
-    parent.write_text(textwrap.dedent('''
-        import os, subprocess, sys
-        from kvrelay.server.cluster import _die_with_parent
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
-                                 start_new_session=True, preexec_fn=_die_with_parent())
-        print(child.pid, flush=True)
-        os._exit(0)
-    '''))
-    pid = int(subprocess.run([sys.executable, str(parent)], capture_output=True, text=True, timeout=60).stdout)
-    deadline = time.monotonic() + 10
-    while not gone(pid) and time.monotonic() < deadline:
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """The pids still running after up to `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while any(not gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert gone(pid)
+    return [p for p in pids if not gone(p)]
 
 
-SERVE_WITH_FAKE_WORKERS = textwrap.dedent('''
-    import sys
-    import kvrelay.server.cluster as cluster
-    cluster.worker_argv = lambda config, role, port: [sys.executable, sys.argv[1], role, "--port", str(port)]
-    from kvrelay.cli import main
-    main(sys.argv[2:])
-''')
+def cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
 
 
-def test_serve_runs_the_router_before_its_workers_and_sigterm_leaves_no_process_behind(fake_worker, tmp_path):
-    launcher = tmp_path / "serve.py"
-    launcher.write_text(SERVE_WITH_FAKE_WORKERS)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(launcher), str(fake_worker), "serve", "--port", str(port),
-                             "--num-decode", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def environ(pid: int) -> dict[str, str]:
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(p.split("=", 1) for p in pairs if "=" in p)
+
+
+def answers(url: str) -> bool:
     try:
-        banner = proc.stdout.readline()
-        assert banner.startswith("kvrelay serve: model fake, 1 prefill + 2 decode workers (transfer shm), "
-                                 f"serving on http://127.0.0.1:{port}"), banner + proc.stderr.read()
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(2):
-            r = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 3}, timeout=30)
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == " t0 t1 t2"
-        workers = httpx.get(f"{url}/workers", timeout=10).json()["workers"]
-        assert sorted(w["role"] for w in workers if w["up"]) == ["decode", "decode", "prefill"]
-        pids = [int(w["health"]["incarnation"]) for w in workers]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
-    assert "Traceback" not in err
+        httpx.get(f"{url}/health", timeout=2)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+class Serve:
+    """`python -m kvrelay serve` (real workers) on the tiny model, in its own process group
+    as a shell runs a job; stdout and stderr go to files."""
+
+    def __init__(self, tmp_path: Path, model_dir, *flags: str,
+                 kv: tuple[str, ...] = ("--max-kv-tokens", "4096")) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.out, self.err = tmp_path / "serve.out", tmp_path / "serve.err"
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvrelay", "serve", "--model", f"random:{model_dir}", "--dtype", "float32",
+                 *kv, "--worker-threads", "1", "--transfer-backend", "shm", "--port", str(self.port), *flags],
+                stdout=out, stderr=err, env=env, start_new_session=True)
+        self.seen: set[int] = set()   # every child seen so far
+
+    def watch(self) -> list[int]:
+        kids = children(self.proc.pid)
+        self.seen.update(kids)
+        return kids
+
+    def banner(self, timeout: float = 180.0) -> str:
+        """The first line on stdout, once serve prints it (it does when it is ready)."""
+        deadline = time.monotonic() + timeout
+        while not self.out.read_text():
+            self.watch()
+            assert self.proc.poll() is None, f"serve exited with {self.proc.returncode}:\n{self.stderr()}"
+            assert time.monotonic() < deadline, f"no banner after {timeout} s:\n{self.stderr()}"
+            time.sleep(0.1)
+        return self.out.read_text().splitlines()[0]
+
+    def wait(self, timeout: float = 180.0) -> int:
+        """Its exit code, noting its children until then."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None:
+            self.watch()
+            if time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"serve still running after {timeout} s:\n{self.stderr()}")
+            time.sleep(0.05)
+        return self.proc.returncode
+
+    def stderr(self) -> str:
+        return self.err.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """Cleanup after a failed test: serve, then whatever children it left (SIGTERM
+        first, so that they remove their shared-memory segments)."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+        self.proc.kill()
+        self.proc.wait()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            left = [p for p in self.seen if not gone(p) and "kvrelay" in cmdline(p)]
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            wait_gone(left, 15)
+
+
+@pytest.fixture
+def serve(tmp_path, tiny_llama_dir):
+    started = []
+
+    def start(*flags: str, **kw) -> Serve:
+        started.append(Serve(tmp_path, tiny_llama_dir, *flags, **kw))
+        return started[-1]
+    yield start
+    for s in started:
+        if s.proc.poll() is None or any(not gone(p) for p in s.seen):
+            s.kill()
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "Ctrl-C"])
+def test_serve_starts_its_workers_serves_and_a_signal_stops_every_child(serve, stop):
+    """`kvrelay serve` starts a prefill and a decode worker (their own sessions, one torch
+    thread each), waits for them, prints one line with its URL, serves; SIGTERM, or a
+    terminal's Ctrl-C (SIGINT to serve's process group, which the workers are not in), stops
+    serve with exit code 0 and every worker with it."""
+    s = serve()
+    banner = s.banner()
+    kids = s.watch()
+    model = httpx.get(f"{s.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    assert banner == (f"kvrelay serve: model {model}, 1 prefill + 1 decode workers (transfer shm), "
+                      f"serving on {s.url}")
+    assert sorted(cmdline(pid)[3] for pid in kids) == ["decode", "prefill"], [cmdline(p) for p in kids]
+    for pid in kids:
+        assert os.getsid(pid) == pid and os.getpgid(pid) != os.getpgid(s.proc.pid)
+        assert environ(pid)["OMP_NUM_THREADS"] == "1"
+    workers = httpx.get(f"{s.url}/workers", timeout=10).json()["workers"]
+    assert sorted((w["role"], w["up"]) for w in workers) == [("decode", True), ("prefill", True)]
+    urls = [w["url"] for w in workers]
+    for w in workers:   # the router's workers are those children
+        argv = next(cmdline(p) for p in kids if cmdline(p)[3] == w["role"])
+        assert w["url"] == f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
+
+    r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "hello", "max_tokens": 5, "temperature": 0,
+                                                    "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 5 and r.json()["choices"][0]["finish_reason"] == "length"
+
+    if stop == "SIGTERM":
+        s.proc.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(s.proc.pid, signal.SIGINT)
+    assert s.wait(timeout=60) == 0, s.stderr()
+    assert wait_gone(kids, 0) == []   # serve waited for them before it exited
+    assert not any(answers(u) for u in urls)
+    assert s.out.read_text().splitlines() == [banner]
+    err = s.stderr()
+    assert "Traceback" not in err, err
+    assert f"[prefill-0] kvrelay prefill: model {model} (float32), KV capacity 4096 tokens" in err
+    assert f"[decode-0] kvrelay decode: model {model} (float32), KV capacity 4096 tokens" in err
     assert "outcome=success reason=length" in err
-    assert all(gone(pid) for pid in pids)
+
+
+def test_a_worker_that_fails_at_startup_stops_serve_with_one_line_naming_it(serve):
+    """--kv-cache-gb 100000: each worker's shared-memory KV segment cannot be created, so
+    the workers exit at startup. serve prints no banner, stops, and its last line names the
+    worker it saw exit and that worker's own last words; no child is left."""
+    s = serve("--kv-cache-gb", "100000", kv=())
+    assert s.wait() == 1
+    assert s.out.read_text() == ""
+    err = s.stderr()
+    last = err.strip().splitlines()[-1]
+    m = re.fullmatch(r"kvrelay: error: (prefill|decode) worker 0 exited with code 1: the (?:prefill|decode) worker "
+                     r"could not start: RuntimeError: (/dev/shm "
+                     r"has \d+ bytes free but the KV pool needs \d+: enlarge it \(docker --shm-size\) or use another "
+                     r"--transfer-backend)", last)
+    assert m, err
+    # That worker's own last line (its output is forwarded with its name in front).
+    role, detail = m[1], m[2]
+    prefix = f"[{role}-0] "
+    assert [ln for ln in err.splitlines() if ln.startswith(prefix) and ln[len(prefix):].strip()][-1].endswith(detail)
+    assert len(s.seen) == 2 and wait_gone(sorted(s.seen), 0) == []
+    assert "Traceback" not in err  # each worker says it in one line too
+
+
+def test_the_workers_die_with_serve(serve):
+    """kill -9 of serve (no chance to stop anything): the kernel sends each worker SIGTERM
+    (PR_SET_PDEATHSIG), so they are gone within seconds and remove their shared-memory KV
+    segments."""
+    s = serve()
+    s.banner()
+    kids = s.watch()
+    workers = httpx.get(f"{s.url}/workers", timeout=10).json()["workers"]
+    segments = [Path(f"/dev/shm/kvrelay_{w['health']['incarnation']}") for w in workers]
+    assert len(kids) == 2 and all(seg.exists() for seg in segments)
+    os.kill(s.proc.pid, signal.SIGKILL)
+    s.proc.wait()
+    assert wait_gone(kids, 15) == [], [cmdline(p) for p in kids if not gone(p)]
+    assert not any(answers(w["url"]) for w in workers)
+    assert not any(seg.exists() for seg in segments)

@@ -66,3 +66,28 @@ def test_quarantine_ends_when_prefill_confirms_stopped(backend):
         H.assert_no_leak()
     finally:
         H.close()
+
+
+def test_a_lost_destination_does_not_hold_the_quarantine(backend):
+    """D's destination never reached P, then both sides abort (the router's deadline). P has
+    nothing to confirm; D asks again every heartbeat, and once a Destination gets through,
+    P's closed room answers Stopped: the pages come back long before the backstop."""
+    H = Harness(backend, cfg=with_cfg(transfer_timeout=100.0, quarantine_grace=100.0),
+                d_faults="drop:Destination=1")
+    try:
+        H.request(1)
+        H.to_phase(1, "D", "waiting")
+        H.step(10)
+        assert H.phase("P", 1) == "bootstrap"           # the destination was lost
+        H.D.abort(1)
+        H.P.abort(1)
+        H.step(5)
+        assert (1 in H.D.quarantine) == H.dm.one_sided
+        H.set_faults("D", "")
+        t0 = H.clock.now()
+        assert H.run_until(lambda: not H.D.quarantine, 10)
+        assert H.clock.now() - t0 <= 2 * H.cfg.heartbeat_interval + 0.5
+        H.assert_no_leak()
+        assert H.d_released == {1: 1}
+    finally:
+        H.close()

@@ -1,357 +1,673 @@
-"""The router against scripted workers (httpx.MockTransport): pairing, streaming, cancelling
-the other leg, the one retry, client aborts, the deadline, admission, and the debug view."""
+"""The router (kvrelay/server/router.py) in front of real `kvrelay prefill` / `kvrelay
+decode` processes on a tiny random model: streaming, the one retry on another pair, a
+worker's 400, a client abort and the end-to-end deadline, admission (503), no healthy pair,
+health checks that keep out a worker of another role or model until it is fixed, a worker
+that goes away between checks, the refusal to start over workers of different models, and
+the aggregated debug view. Faults are switched on at run time through each worker's
+POST /debug/faults.
+
+The module starts its processes at once and shares them: two prefill workers, one decode
+worker, a `kvrelay router` process over them (--max-queued-requests 2), and one more
+prefill worker that no decode worker can bootstrap with. The abort/deadline and health-check
+tests build a RouterClient in this process, the way `run_router` does, to choose its flags
+and drive its checks; everything else goes through the router process's HTTP API. Every
+test leaves the workers healthy and ends with a no-leak check. (Kill -9, SIGSTOP of a
+prefill worker, stuck transfers, mid-stream disconnects and the per-worker debug rows are
+in test_cluster.py.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
 
+from cluster_helpers import LIFECYCLE_FLAGS, Cluster, Proc, phase_gauges
 from kvrelay.core.clock import MonotonicClock
 from kvrelay.core.config import RouterConfig
-from kvrelay.engine.types import FinishReason, GenerateRequest, RequestRejected, SamplingParams, StepOutput
-from kvrelay.server.errors import OpenAIError, StartupError
+from kvrelay.engine.types import FinishReason, GenerateRequest, SamplingParams
 from kvrelay.server.pairing import WorkerTable
-from kvrelay.server.router import RouterClient, router_app
+from kvrelay.server.router import RouterClient
 from kvrelay.server.worker_client import WorkerAPI, WorkerMonitor
-from kvrelay.server.worker_protocol import LegRequest, WorkerHealth, output_to_json
+from serving_helpers import free_port, gauge, metric_samples
 
-P1, P2 = "http://p1:1", "http://p2:1"
-D1, D2 = "http://d1:1", "http://d2:1"
-LENGTH, ERROR = FinishReason.LENGTH, FinishReason.ERROR
-
-
-class FakeWorkers:
-    """Workers as an httpx handler. `behaviour[url](leg)` answers POST /generate."""
-
-    def __init__(self, urls, model="m") -> None:
-        self.model = model
-        self.role = {url: "prefill" if "//p" in url else "decode" for url in urls}
-        self.models = {url: model for url in urls}
-        self.behaviour = {url: (prefill_ok if self.role[url] == "prefill" else decode_tokens(1, 2, 3))
-                          for url in urls}
-        self.legs: list[tuple[str, LegRequest]] = []
-        self.aborts: list[tuple[str, str]] = []
-
-    async def handler(self, request: httpx.Request) -> httpx.Response:
-        url, path = f"{request.url.scheme}://{request.url.host}:{request.url.port}", request.url.path
-        if path == "/health":
-            return httpx.Response(200, text=WorkerHealth(
-                role=self.role[url], worker_id=url, incarnation="1", model=self.models[url], max_model_len=512,
-                transfer_backend="fake", transfer_address=f"tcp://{request.url.host}:9", live_requests=0,
-                queued_requests=0, free_pages=10, total_pages=10).model_dump_json())
-        if path == "/abort":
-            self.aborts.append((url, json.loads(request.content)["rid"]))
-            return httpx.Response(200, json={"aborted": True})
-        if path == "/debug/requests":
-            return httpx.Response(200, json={"role": self.role[url], "count": 0, "requests": [], "phases": {}})
-        leg = LegRequest.model_validate_json(request.content)
-        self.legs.append((url, leg))
-        return self.behaviour[url](leg)
-
-    def rooms(self) -> set[int]:
-        return {leg.room for _, leg in self.legs}
+MAX_QUEUED = 2
+# How the legs of a try whose KV write failed on P end on the workers. P sends D a Notice as
+# the write fails, and records the failure in the room's lifecycle at its next poll; the
+# router's abort (sent when D's failure reaches it) or D's heartbeat echoing the failure
+# can come first.
+P_FAILED_TRY = {("failed", "transfer_error"), ("aborted", "aborted"), ("failed", "peer_failed")}
+D_FAILED_TRY = {("failed", "peer_failed"), ("aborted", "aborted")}
 
 
-def stream(outs, delay: float = 0.0, hang: bool = False) -> httpx.Response:
-    async def body():
-        for out in outs:
-            await asyncio.sleep(delay)
-            yield output_to_json(out).encode()
-        if hang:
-            await asyncio.Event().wait()
-    return httpx.Response(200, content=body())
+@dataclass
+class Deployment:
+    cluster: Cluster     # prefill-0, prefill-1, decode-0; its router has --max-queued-requests 2
+    unreachable: Proc    # a prefill worker that drops its BootstrapInfo messages (from birth)
 
 
-def prefill_ok(leg):
-    return stream([StepOutput(leg.rid, [1], finish_reason=LENGTH)])
+def stop_all(procs: list[Proc]) -> None:
+    """SIGTERM all first, so that they shut down side by side, then wait for each."""
+    for p in procs:
+        if p.popen is not None and p.popen.poll() is None:
+            p.signal(signal.SIGCONT)
+            p.signal(signal.SIGTERM)
+    for p in procs:
+        p.stop()
 
 
-def decode_tokens(*ids, end=LENGTH, error=None, delay=0.0, hang=False):
-    def respond(leg):
-        outs = [StepOutput(leg.rid, [i], text=f"<{i}>") for i in ids]
-        if end is not None:
-            outs.append(StepOutput(leg.rid, finish_reason=end, error=error))
-        return stream(outs, delay, hang)
-    return respond
+@pytest.fixture(scope="module")
+def deployment(tiny_llama_dir):
+    c = Cluster(["--model", f"random:{tiny_llama_dir}"], ["--dtype", "float32", "--max-kv-tokens", "16384"],
+                num_prefill=2, num_decode=1)
+    c.router.argv += ["--max-queued-requests", str(MAX_QUEUED)]   # argparse: the last value wins
+    unreachable = worker_proc(c, "prefill-unreachable", "prefill", tiny_llama_dir, free_port(),
+                              "--fault-spec", "drop:BootstrapInfo=1")
+    procs = [*c.workers, unreachable, c.router]
+    try:
+        for p in procs:   # the router waits for its workers itself
+            p.start()
+        for p in procs:
+            p.wait_healthy()
+        c.wait_router_sees_all()
+        yield Deployment(c, unreachable)
+    finally:
+        stop_all(procs)
 
 
-def fails(error: str):
-    return lambda leg: stream([StepOutput(leg.rid, finish_reason=ERROR, error=error)])
+@pytest.fixture(scope="module")
+def cluster(deployment):
+    return deployment.cluster
 
 
-def hangs(leg):
-    return stream([], hang=True)
+@pytest.fixture(autouse=True)
+def healthy(cluster):
+    """Each test starts with every worker up and no fault, and leaves them so."""
+    cluster.wait_router_sees_all()
+    try:
+        yield
+    finally:
+        for p in cluster.workers:
+            p.signal(signal.SIGCONT)
+        cluster.set_faults(cluster.workers, "")
 
 
-def refused(leg):
-    raise httpx.ConnectError("connection refused")
+# ---------------------------------------------------------------- helpers
+
+def body(prompt: str = "The router in front of real workers", max_tokens: int = 6, **extra) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
 
 
-async def start_router(fake: FakeWorkers, prefill=(P1,), decode=(D1,), **cfg) -> RouterClient:
-    config = RouterConfig(prefill=prefill, decode=decode, **cfg)
-    api = WorkerAPI(config, transport=httpx.MockTransport(fake.handler))
-    clock = MonotonicClock()
-    table = WorkerTable(prefill, decode, clock)
-    monitor = WorkerMonitor(table, api, config)
-    model, max_len = await monitor.wait_ready(5, clock)
-    return RouterClient(config, table, api, monitor, None, model, max_len, clock)
+def complete(url: str, payload: dict, timeout: float = 120.0) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json=payload, timeout=timeout)
 
 
-async def settle(router: RouterClient) -> None:
-    """Let background aborts land and cancelled legs finish."""
-    await asyncio.sleep(0.05)
-    await router.close()
-    await asyncio.sleep(0.01)
+def sse(url: str, payload: dict, timeout: float = 120.0) -> tuple[int, list, bool]:
+    """A streamed completion: (status, the JSON payloads of its events, whether [DONE] came last)."""
+    events, done = [], False
+    with httpx.stream("POST", f"{url}/v1/completions", json={**payload, "stream": True}, timeout=timeout) as r:
+        if r.status_code != 200:
+            return r.status_code, [json.loads(r.read())], False
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                assert not done, "an event after [DONE]"
+                if line == "data: [DONE]":
+                    done = True
+                else:
+                    events.append(json.loads(line[6:]))
+    return 200, events, done
 
 
-def request(rid: str = "r1") -> GenerateRequest:
-    return GenerateRequest(rid, (5, 6, 7), SamplingParams(max_tokens=8))
+class Held:
+    """A completion sent over a raw connection whose answer is read only when asked for,
+    so that a test can hold several requests in flight from one thread."""
+
+    def __init__(self, url: str, payload: dict) -> None:
+        u = httpx.URL(url)
+        data = json.dumps(payload).encode()
+        self.sock = socket.create_connection((u.host, u.port), timeout=120)
+        self.sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {u.host}:{u.port}\r\nConnection: close\r\n"
+                          f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+
+    def response(self) -> tuple[int, dict]:
+        """(status, JSON body), waiting for the server to answer and close."""
+        raw = b""
+        while chunk := self.sock.recv(65536):
+            raw += chunk
+        self.sock.close()
+        head, _, payload = raw.partition(b"\r\n\r\n")
+        return int(head.split()[1]), json.loads(payload)
+
+    def close(self) -> None:
+        self.sock.close()
 
 
-async def collect(router: RouterClient, rid: str = "r1") -> list[StepOutput]:
-    return [out async for out in router.generate(request(rid))]
+def outcomes(url: str) -> Counter:
+    """kvrelay_requests_finished_total of one process, by (outcome, reason)."""
+    return Counter({(dict(ls)["outcome"], dict(ls)["reason"]): v for (n, ls), v in metric_samples(url).items()
+                    if n == "kvrelay_requests_finished_total"})
 
 
-def finished(router: RouterClient) -> dict[tuple[str, str], float]:
+class Ledger:
+    """The finished-request counters of some processes now; `changes()` says what was added
+    since, per process name (processes with no change are left out)."""
+
+    def __init__(self, procs: list[Proc]) -> None:
+        self.procs = list(procs)
+        self.before = {p.name: outcomes(p.url) for p in self.procs}
+
+    def changes(self) -> dict[str, dict]:
+        out = {}
+        for p in self.procs:
+            diff = outcomes(p.url) - self.before[p.name]
+            if diff:
+                out[p.name] = dict(diff)
+        return out
+
+
+class LogMark:
+    """The lines a process logs from now on."""
+
+    def __init__(self, proc: Proc) -> None:
+        self.proc = proc
+        self.offset = proc.log.stat().st_size if proc.log.exists() else 0
+
+    def lines(self, *words: str) -> list[str]:
+        with open(self.proc.log, "rb") as f:
+            f.seek(self.offset)
+            text = f.read().decode(errors="replace")
+        return [ln for ln in text.splitlines() if all(w in ln for w in words)]
+
+
+def wait_for(check, what: str, cluster: Cluster, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}\n{cluster.logs()}")
+        time.sleep(0.1)
+
+
+def workers_table(url: str) -> dict[str, dict]:
+    return {w["url"]: w for w in httpx.get(f"{url}/workers", timeout=10).json()["workers"]}
+
+
+def model_name(url: str) -> str:
+    return httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def worker_proc(cluster: Cluster, name: str, role: str, tiny_llama_dir, port: int, *flags: str) -> Proc:
+    argv = [role, "--model", f"random:{tiny_llama_dir}", "--dtype", "float32", "--max-kv-tokens", "16384",
+            "--transfer-backend", "shm", *LIFECYCLE_FLAGS, *flags]
+    return Proc(name, argv, port, cluster.dir)
+
+
+def assert_idle(worker: Proc) -> None:
+    """A worker outside the module cluster: every phase gauge 0, every page free."""
+    s = metric_samples(worker.url)
+    phases = gauge(s, "kvrelay_requests")
+    assert phases and not any(phases), (worker.name, phases)
+    assert gauge(s, "kvrelay_kv_pages_free") == gauge(s, "kvrelay_kv_pages_total"), worker.name
+
+
+@contextlib.asynccontextmanager
+async def router_client(prefill: list[str], decode: list[str], **cfg):
+    """A RouterClient over real workers, built as `run_router` builds it (no HTTP front,
+    no tokenizer: requests go to `generate` as token ids). Health checks run only when the
+    test calls `router.monitor.check_all()`."""
+    config = RouterConfig(prefill=tuple(prefill), decode=tuple(decode), health_timeout=2.0, **cfg)
+    api = WorkerAPI(config)
+    try:
+        clock = MonotonicClock()
+        table = WorkerTable(prefill, decode, clock)
+        monitor = WorkerMonitor(table, api, config)
+        model, max_model_len = await monitor.wait_ready(60, clock)
+        router = RouterClient(config, table, api, monitor, None, model, max_model_len, clock)
+        try:
+            yield router
+        finally:
+            await router.close()
+    finally:
+        await api.close()
+
+
+def token_request(rid: str, max_tokens: int = 6) -> GenerateRequest:
+    return GenerateRequest(rid, (11, 12, 13, 14), SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                 ignore_eos=True))
+
+
+async def run(router: RouterClient, rid: str, max_tokens: int = 6) -> list:
+    return [out async for out in router.generate(token_request(rid, max_tokens))]
+
+
+def router_finished(router: RouterClient) -> dict[tuple[str, str], float]:
     return {(s.labels["outcome"], s.labels["reason"]): s.value
             for m in router.metrics.registry.collect() if m.name == "kvrelay_requests_finished"
             for s in m.samples if s.name.endswith("_total")}
 
 
-def outstanding(router: RouterClient) -> list[int]:
-    return [router.table.get(url).outstanding for url in router.table.urls()]
+@contextlib.contextmanager
+def router_records():
+    """The log records of kvrelay.router while the block runs (INFO and up)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("kvrelay.router")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
-def test_a_request_sends_both_legs_at_once_and_streams_the_decode_tokens():
+# ---------------------------------------------------------------- streaming
+
+def test_a_request_streams_the_decode_tokens_back_with_usage_and_finish_reason(cluster):
+    """Both legs run under the request's id and room (one on a prefill worker, one on the
+    decode worker); the decode leg's tokens come back as one SSE event each, then the
+    usage, then [DONE]; the streamed text equals the same request unstreamed."""
+    router, decode = cluster.router, cluster.decode[0]
+    ledger, marks = Ledger([router, *cluster.workers]), {p.name: LogMark(p) for p in [router, *cluster.workers]}
+    payload = body("Tell me about disaggregated serving", 12)
+
+    status, events, done = sse(router.url, {**payload, "stream_options": {"include_usage": True}})
+    assert status == 200 and done, events
+    *chunks, usage_event = events
+    rid = chunks[0]["id"]
+    assert rid.startswith("cmpl-") and all(e["id"] == rid and e["object"] == "text_completion" for e in events)
+    assert {e["model"] for e in events} == {model_name(router.url)}   # the model the workers serve
+    assert all(len(c["choices"]) == 1 and c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(chunks) >= 2   # streamed as it decodes, not one blob at the end
+    assert usage_event["choices"] == [] and usage_event["usage"]["completion_tokens"] == 12
+    usage = usage_event["usage"]
+    assert usage["prompt_tokens"] > 0 and usage["total_tokens"] == usage["prompt_tokens"] + 12
+    streamed = "".join(c["choices"][0]["text"] for c in chunks)
+
+    whole = complete(router.url, payload)
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["choices"][0] == {"index": 0, "text": streamed, "logprobs": None, "finish_reason": "length"}
+    assert whole.json()["usage"] == usage
+
+    # The router's story of the streamed request, and each worker's, under the same room.
+    (dispatched,) = marks["router"].lines("request dispatched", f"rid={rid} ")
+    (ended,) = marks["router"].lines("request finished", f"rid={rid} ")
+    assert "attempt=1 " in dispatched and f"decode={decode.url}" in dispatched
+    assert "outcome=success reason=length attempts=1 tokens=12 " in ended
+    room = dispatched.split("room=")[1].split()[0]
+    prefill = next(p for p in cluster.prefill if f"prefill={p.url}" in dispatched)
+    for worker in (prefill, decode):
+        (line,) = marks[worker.name].lines("request ended", f"rid={rid} ")
+        assert f"room={room} " in line and "phase=done" in line, line
+    changes = ledger.changes()
+    assert changes.pop("router") == {("success", "length"): 2}
+    assert changes.pop(decode.name) == {("success", "done"): 2}
+    assert sum(c[("success", "done")] for c in changes.values()) == 2 and all(len(c) == 1 for c in changes.values())
+    wait_for(lambda: all(w["outstanding"] == 0 for w in workers_table(router.url).values()),
+             "the router to count no open leg", cluster)
+    cluster.assert_no_leak()
+
+
+# ---------------------------------------------------------------- failures and the retry
+
+def test_a_failed_prefill_leg_is_retried_once_on_another_pair(cluster):
+    """prefill-0's KV writes fail (transfer_error). A request first sent there fails before
+    any token: the try's other leg ends on the decode worker, and the request is sent again
+    (a new room, leg id `<rid>-try2`) to prefill-1, where it succeeds. The client sees no
+    error; every try is in the counters and the logs."""
+    router, (p0, p1), decode = cluster.router, cluster.prefill, cluster.decode[0]
+    ledger, mark, p1_mark = Ledger([router, *cluster.workers]), LogMark(router), LogMark(p1)
+    cluster.set_faults([p0], "fail_transfer=1")
+    # Among equally loaded prefill workers the router takes turns, and a retry makes p0
+    # next again: of 4 requests in a row most start on p0.
+    answers = [complete(router.url, body(f"retried request {i}")) for i in range(4)]
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    assert all(a.json()["usage"]["completion_tokens"] == 6 and a.json()["choices"][0]["finish_reason"] == "length"
+               for a in answers)
+
+    retried = mark.lines("request retried on another pair")
+    assert len(retried) >= 1, mark.lines()
+    assert all("transfer_error" in line for line in retried), retried   # the reason, as D or P reported it
+    for answer in answers:
+        rid = answer.json()["id"]
+        (ended,) = mark.lines("request finished", f"rid={rid} ")
+        assert "outcome=success reason=length" in ended and f"prefill={p1.url}" in ended
+        tries = mark.lines("request dispatched", f"rid={rid} ")
+        if any(f"rid={rid} " in line for line in retried):
+            assert "attempts=2 " in ended and len(tries) == 2
+            assert f"prefill={p0.url}" in tries[0] and f"prefill={p1.url}" in tries[1]
+            rooms = {line.split("room=")[1].split()[0] for line in tries}
+            assert len(rooms) == 2   # a new room for the new try
+            (leg,) = p1_mark.lines("request ended", f"rid={rid}-try2 ")
+            assert "phase=done" in leg
+        else:
+            assert "attempts=1 " in ended and len(tries) == 1
+
+    n = len(retried)
+    changes = wait_for(lambda: (c := ledger.changes()) and sum(c.get(p0.name, {}).values()) == n
+                       and sum(c.get(decode.name, {}).values()) == 4 + n and c, "every leg to end", cluster)
+    assert changes[router.name] == {("success", "length"): 4}
+    assert changes[p1.name] == {("success", "done"): 4}
+    # Each failed try's legs ended on their workers.
+    assert set(changes[p0.name]) <= P_FAILED_TRY, changes
+    first_tries = changes[decode.name]
+    assert first_tries.pop(("success", "done")) == 4
+    assert set(first_tries) <= D_FAILED_TRY, changes
+    cluster.assert_no_leak()
+
+
+def test_when_every_pair_fails_the_client_gets_the_error_with_its_reason(cluster):
+    """Both prefill workers fail their KV writes: one try on each (the retry goes to the
+    other pair), then a 500 whose message names transfer_error."""
+    router, (p0, p1) = cluster.router, cluster.prefill
+    ledger, mark = Ledger([router, *cluster.workers]), LogMark(router)
+    cluster.set_faults([p0, p1], "fail_transfer=1")
+    r = complete(router.url, body("no pair can serve this"))
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    # The decode worker hears of P's failure and may report it first: "peer_failed: prefill: transfer_error".
+    assert err["code"] in ("transfer_error", "peer_failed") and err["message"].startswith(err["code"] + ": ")
+    assert "transfer_error" in err["message"] and err["type"] == "server_error"
+    rid = mark.lines("request dispatched")[0].split("rid=")[1].split()[0]
+    (ended,) = mark.lines("request finished", f"rid={rid} ")
+    assert f"outcome=failed reason={err['code']} attempts=2 " in ended
+    changes = wait_for(lambda: (c := ledger.changes()) and all(sum(c.get(p.name, {}).values()) for p in (p0, p1))
+                       and c, "the legs of both tries to end", cluster)
+    assert changes[router.name] == {("failed", err["code"]): 1}
+    for p in (p0, p1):   # one try on each
+        assert sum(changes[p.name].values()) == 1 and set(changes[p.name]) <= P_FAILED_TRY, changes
+    cluster.set_faults([p0, p1], "")
+    assert complete(router.url, body("and now it works")).status_code == 200
+    cluster.assert_no_leak()
+
+
+def test_a_request_the_workers_reject_gets_their_400(cluster, tiny_llama_dir):
+    """A token-id prompt outside the vocabulary passes the router's own checks (it knows no
+    vocabulary) and is refused by the workers with a 400 before any room exists; the
+    client gets that 400, streamed or not, and it is never retried."""
+    router = cluster.router
+    vocab = json.loads((Path(tiny_llama_dir) / "config.json").read_text())["vocab_size"]
+    ledger, mark = Ledger([router, *cluster.workers]), LogMark(router)
+    expected = {"error": {"message": f"token id {vocab + 7} is outside the vocabulary [0, {vocab})",
+                          "type": "invalid_request_error", "param": "prompt", "code": "invalid_request"}}
+    r = complete(router.url, body([5, 6, vocab + 7]))
+    assert (r.status_code, r.json()) == (400, expected)
+    status, events, _ = sse(router.url, body([5, 6, vocab + 7]))
+    assert (status, events) == (400, [expected])
+    ended = mark.lines("request finished")
+    assert len(ended) == 2 and all("outcome=failed reason=invalid_request attempts=1 " in ln for ln in ended)
+    assert not mark.lines("request retried")
+    assert ledger.changes() == {router.name: {("failed", "invalid_request"): 2}}   # no worker started a leg
+    cluster.assert_no_leak()
+
+
+# ---------------------------------------------------------------- the deadline and admission
+
+def test_a_client_abort_or_the_deadline_before_any_token_aborts_both_legs(deployment):
+    """The decode worker paired with a prefill worker whose BootstrapInfo messages are
+    dropped: it cannot learn that worker's transfer layout, so both legs wait in bootstrap
+    (their own timeout is 30 s) and no KV can be written. A client abort ends such a
+    request at once; with a 2 s request timeout the router ends it at 2 s with
+    timeout:request. Either way both legs are aborted on the workers, there is no retry and
+    nothing is left behind. Once the fault is off the same pair serves."""
+    cluster, prefill = deployment.cluster, deployment.unreachable
+    decode = cluster.decode[0]
+
+    def both_legs_end(ledger: Ledger, marks: list[LogMark], rid: str) -> None:
+        wait_for(lambda: len(ledger.changes()) == 2, "both legs to end", cluster)
+        assert ledger.changes() == {prefill.name: {("aborted", "aborted"): 1},
+                                    decode.name: {("aborted", "aborted"): 1}}
+        for mark in marks:   # where each leg was when it was aborted
+            (leg,) = mark.lines("request ended", f"rid={rid} ")
+            assert "phase=aborted from_phase=bootstrap reason=aborted" in leg, leg
+
+    def legs_live() -> bool:
+        return sum(phase_gauges(prefill.url).values()) == sum(phase_gauges(decode.url).values()) == 1
+
     async def main():
-        fake = FakeWorkers([P1, D1])
-        router = await start_router(fake)
-        outs = await collect(router)
-        await settle(router)
-        assert "".join(o.text for o in outs) == "<1><2><3>"
-        assert outs[-1].finish_reason is LENGTH and all(o.rid == "r1" for o in outs)
-        (p_url, p_leg), (d_url, d_leg) = sorted(fake.legs, key=lambda x: x[0] != P1)
-        assert (p_url, d_url) == (P1, D1)
-        assert p_leg.rid == d_leg.rid == "r1" and p_leg.room == d_leg.room >= 1
-        assert p_leg.prompt_ids == d_leg.prompt_ids == [5, 6, 7] and d_leg.sampling.max_tokens == 8
-        assert (p_leg.prefill_address, d_leg.prefill_address) == (None, "tcp://p1:9")
-        assert fake.aborts == []
-        assert outstanding(router) == [0, 0]
-        assert finished(router) == {("success", "length"): 1.0}
-        assert router.debug_rows() == []
+        ledger, marks = Ledger([prefill, decode]), [LogMark(prefill), LogMark(decode)]
+        async with router_client([prefill.url], [decode.url]) as router:
+            with router_records() as records:
+                task = asyncio.create_task(run(router, "abort-1"))
+                while not (router.debug_rows() and await asyncio.to_thread(legs_live)):
+                    assert not task.done(), task.result()
+                    await asyncio.sleep(0.05)
+                assert [row["phase"] for row in router.debug_rows()] == ["dispatched"]
+                await router.abort("abort-1")
+                outs = await task
+                await router.close()   # the aborts have reached the workers
+            assert [(o.finish_reason, o.error) for o in outs] == [(FinishReason.ABORT, None)]
+            (ended,) = [r for r in records if r.getMessage() == "request finished"]
+            assert (ended.outcome, ended.reason, ended.attempts) == ("aborted", "aborted", 1)
+            assert router_finished(router) == {("aborted", "aborted"): 1}
+            assert [w.outstanding for w in router.table.workers("prefill") + router.table.workers("decode")] == [0, 0]
+        both_legs_end(ledger, marks, "abort-1")
+
+        ledger, marks = Ledger([prefill, decode]), [LogMark(prefill), LogMark(decode)]
+        async with router_client([prefill.url], [decode.url], request_timeout=2) as router:
+            with router_records() as records:
+                outs = await run(router, "deadline-1")
+                await router.close()
+            assert len(outs) == 1 and outs[0].finish_reason is FinishReason.ERROR
+            assert outs[0].error.startswith("timeout:request: no complete answer within --request-timeout 2 s "
+                                            "(phase dispatched)"), outs[0].error
+            assert (outs[0].prompt_tokens, outs[0].completion_tokens) == (4, 0)
+            (ended,) = [r for r in records if r.getMessage() == "request finished"]
+            assert (ended.outcome, ended.reason, ended.attempts) == ("failed", "timeout:request", 1)
+            assert [r.getMessage() for r in records].count("request dispatched") == 1
+            assert router_finished(router) == {("failed", "timeout:request"): 1}
+            assert [w.outstanding for w in router.table.workers("prefill") + router.table.workers("decode")] == [0, 0]
+            assert router.debug_rows() == []
+            both_legs_end(ledger, marks, "deadline-1")
+
+        cluster.set_faults([prefill], "")
+        async with router_client([prefill.url], [decode.url]) as router:
+            outs = await run(router, "after-the-fault")
+            assert outs[-1].finish_reason is FinishReason.LENGTH and sum(len(o.token_ids) for o in outs) == 6
     asyncio.run(main())
+    assert_idle(prefill)
+    cluster.assert_no_leak()
 
 
-def test_a_prefill_failure_before_any_token_cancels_the_decode_leg_and_retries_on_another_pair():
+def test_beyond_max_queued_requests_new_requests_get_503_with_retry_after(cluster):
+    """Two requests held (the decode worker drops its Destination messages) fill the
+    router's --max-queued-requests 2; a third gets 503 overloaded with Retry-After. With the
+    fault off, the decode worker sends its Destination again, the held requests complete,
+    and there is room again."""
+    router, decode = cluster.router, cluster.decode[0]
+    ledger = Ledger([router, *cluster.workers])
+    cluster.set_faults([decode], "drop:Destination=1")
+    held = [Held(router.url, body(f"held {i}")) for i in range(MAX_QUEUED)]
+    try:
+        wait_for(lambda: phase_gauges(router.url)["dispatched"] == MAX_QUEUED, "the held requests", cluster)
+        r = complete(router.url, body("one too many"))
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"] == {
+            "message": f"the router already holds {MAX_QUEUED} requests (--max-queued-requests); retry later",
+            "type": "overloaded_error", "param": None, "code": "overloaded"}
+        cluster.set_faults([decode], "")
+        answers = [h.response() for h in held]
+    finally:
+        for h in held:
+            h.close()
+    assert [status for status, _ in answers] == [200] * MAX_QUEUED, answers
+    assert all(a["usage"]["completion_tokens"] == 6 for _, a in answers)
+    assert complete(router.url, body("room again")).status_code == 200
+    changes = ledger.changes()
+    assert changes.pop(router.name) == {("failed", "overloaded"): 1, ("success", "length"): MAX_QUEUED + 1}
+    assert changes.pop(decode.name) == {("success", "done"): MAX_QUEUED + 1}
+    assert sum(c[("success", "done")] for c in changes.values()) == MAX_QUEUED + 1   # the prefill workers
+    cluster.assert_no_leak()
+
+
+def test_with_no_healthy_decode_worker_the_client_gets_503(cluster):
+    """The only decode worker frozen (SIGSTOP): its health checks time out, the router
+    marks it down and answers 503 no_healthy_worker naming it; after SIGCONT it rejoins."""
+    router, decode = cluster.router, cluster.decode[0]
+    ledger = Ledger([router])
+    decode.signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: not workers_table(router.url)[decode.url]["up"], "the router to mark it down", cluster)
+        r = complete(router.url, body("nobody to decode this"))
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        err = r.json()["error"]
+        assert err["code"] == "no_healthy_worker" and err["type"] == "overloaded_error"
+        assert err["message"].startswith(f"no healthy decode worker ({decode.url}: "), err
+        assert workers_table(router.url)[decode.url]["last_error"] in err["message"]
+    finally:
+        decode.signal(signal.SIGCONT)
+    cluster.wait_router_sees_all()
+    assert complete(router.url, body("decoded again")).status_code == 200
+    assert ledger.changes() == {router.name: {("failed", "no_healthy_worker"): 1, ("success", "length"): 1}}
+    cluster.assert_no_leak()
+
+
+# ---------------------------------------------------------------- health checks and startup
+
+def test_workers_of_another_role_or_model_are_kept_out_refused_at_startup_and_rejoin_once_fixed(
+        cluster, tiny_llama_dir):
+    """A router given prefill-1 as a decode worker, and a decode URL where nothing runs
+    when it starts. Health checks keep prefill-1 out, and then a worker of another model
+    started at that URL (--served-model-name other), although it answers every check:
+    requests all go to decode-0. `kvrelay router` over the other-model worker refuses to
+    start, with one line. Replaced by a right worker, the URL joins and serves; when that
+    worker goes away unannounced, the request sent there is retried on decode-0."""
+    (p0, p1), d0 = cluster.prefill, cluster.decode[0]
+    port = free_port()
+    x_url = f"http://127.0.0.1:{port}"
+    other = worker_proc(cluster, "decode-other", "decode", tiny_llama_dir, port, "--served-model-name", "other")
+    fixed = worker_proc(cluster, "decode-fixed", "decode", tiny_llama_dir, port)
+
     async def main():
-        fake = FakeWorkers([P1, P2, D1, D2])
-        fake.behaviour[P1] = fails("transfer_error: the backend lost the connection")
-        fake.behaviour[D1] = decode_tokens(9, delay=0.2)
-        router = await start_router(fake, prefill=(P1, P2), decode=(D1, D2))
-        outs = await collect(router)
-        await settle(router)
-        assert "".join(o.text for o in outs) == "<1><2><3>"
-        assert fake.aborts == [(D1, "r1")]
-        second = [(url, leg.rid) for url, leg in fake.legs[2:]]
-        assert sorted(second) == [(D2, "r1-try2"), (P2, "r1-try2")]
-        assert len(fake.rooms()) == 2   # a new room for the new try
-        assert outstanding(router) == [0, 0, 0, 0]
-        assert finished(router) == {("success", "length"): 1.0}
-    asyncio.run(main())
+        async with router_client([p0.url], [d0.url, p1.url, x_url]) as router:
+            table = router.table
+            assert [w.url for w in table.up("prefill") + table.up("decode")] == [p0.url, d0.url]
+            assert table.get(p1.url).last_error == "reports role prefill, but was given as a decode worker"
+            assert table.get(x_url).last_error.startswith("ConnectError")
+            ledger = Ledger([p0, p1, d0])
+            for i in range(3):
+                assert (await run(router, f"only-d0-{i}"))[-1].finish_reason is FinishReason.LENGTH
+            await router.close()
+            assert ledger.changes() == {p0.name: {("success", "done"): 3}, d0.name: {("success", "done"): 3}}
+
+            other.start()
+            refused = subprocess.Popen(   # waits for the other-model worker like we do
+                [sys.executable, "-m", "kvrelay", "router", "--model", f"random:{tiny_llama_dir}", "--prefill", p0.url,
+                 "--decode", x_url, "--startup-timeout", "120", "--port", str(free_port())],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            cleanup.callback(lambda: refused.poll() is None and (refused.kill(), refused.wait()))
+            other.wait_healthy()
+            expected = f"serves model other, not {router.model_name}"
+            for _ in range(3):   # it stays out, check after check, although it answers every one
+                await router.monitor.check_all()
+                x = table.get(x_url)
+                assert (x.up, x.last_error, x.health) == (False, expected, None)
+                assert table.get(p1.url).up is False
+            assert [w.url for w in table.up("decode")] == [d0.url]
+
+            out, err = refused.communicate(timeout=120)
+            assert refused.returncode == 1 and out == "", out + err
+            assert err.strip().splitlines()[-1] == ("kvrelay: error: the workers serve different models: "
+                                                    f"{p0.url} serves {router.model_name}, {x_url} serves other")
+            assert "Traceback" not in err
+
+            other.stop()
+            fixed.start().wait_healthy()
+            with router_records() as records:
+                await router.monitor.check_all()
+            assert table.get(x_url).up and table.get(x_url).health.incarnation
+            assert [(r.getMessage(), r.worker) for r in records] == [("worker joined", x_url)]
+            ledger = Ledger([fixed, d0])
+            for i in range(4):
+                assert (await run(router, f"two-decode-workers-{i}"))[-1].finish_reason is FinishReason.LENGTH
+            await router.close()
+            changes = ledger.changes()
+            assert changes[fixed.name][("success", "done")] >= 1   # it serves now
+            assert changes[fixed.name][("success", "done")] + changes[d0.name][("success", "done")] == 4
+            await router.monitor.check_all()
+            assert table.get(p1.url).up is False   # the wrong role never gets in
+            assert_idle(fixed)
+
+            # It goes away between two health checks: the first leg sent there cannot connect,
+            # the router marks it down at once and sends the request again to decode-0.
+            fixed.stop()
+            ledger = Ledger([p0, d0])
+            with router_records() as records:
+                for i in range(2):
+                    assert (await run(router, f"after-it-left-{i}"))[-1].finish_reason is FinishReason.LENGTH
+                await router.close()
+            x = table.get(x_url)
+            assert not x.up and x.last_error.startswith(f"{x_url}: ConnectError"), x.last_error
+            messages = [r.getMessage() for r in records]
+            assert messages.count("worker down") == 1 and messages.count("request retried on another pair") == 1
+            (retried,) = [r for r in records if r.getMessage() == "request retried on another pair"]
+            assert retried.error == f"peer_failed: {x.last_error}"
+            # The first try's prefill leg was cancelled: aborted on prefill-0 if it had got there.
+            changes = ledger.changes()
+            assert changes[d0.name] == {("success", "done"): 2}
+            assert changes[p0.name].pop(("success", "done")) == 2
+            assert changes[p0.name] in ({}, {("aborted", "aborted"): 1}), changes
+            assert router_finished(router) == {("success", "length"): 9}
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(stop_all, [other, fixed])
+        asyncio.run(main())
+    cluster.assert_no_leak()
 
 
-def test_a_failure_after_tokens_reached_the_client_ends_it_with_the_reason_and_no_retry():
-    async def main():
-        fake = FakeWorkers([P1, P2, D1, D2])
-        fake.behaviour[D1] = decode_tokens(1, end=ERROR, error="peer_failed: prefill worker stopped heartbeating")
-        router = await start_router(fake, prefill=(P1, P2), decode=(D1, D2))
-        outs = await collect(router)
-        await settle(router)
-        assert [o.text for o in outs] == ["<1>", ""]
-        assert outs[-1].finish_reason is ERROR
-        assert outs[-1].error == "peer_failed: prefill worker stopped heartbeating"
-        assert len(fake.legs) == 2
-        assert finished(router) == {("failed", "peer_failed"): 1.0}
-    asyncio.run(main())
+# ---------------------------------------------------------------- the debug view
 
-
-def test_an_unreachable_worker_is_marked_down_its_peer_leg_aborted_and_the_request_retried():
-    async def main():
-        fake = FakeWorkers([P1, D1, D2])
-        fake.behaviour[D1] = refused
-        fake.behaviour[P1] = lambda leg: stream([StepOutput(leg.rid, [1], finish_reason=LENGTH)], delay=0.2)
-        router = await start_router(fake, decode=(D1, D2))
-        outs = await collect(router)
-        await settle(router)
-        assert outs[-1].finish_reason is LENGTH
-        assert not router.table.get(D1).up and "connection refused" in router.table.get(D1).last_error
-        assert (P1, "r1") in fake.aborts
-        assert [url for url, _ in fake.legs[2:]].count(D2) == 1
-    asyncio.run(main())
-
-
-def test_when_the_retry_fails_too_the_client_gets_the_error_with_its_reason():
-    async def main():
-        fake = FakeWorkers([P1, D1])
-        fake.behaviour[P1] = fails("timeout:transfer: D never acknowledged the KV")
-        router = await start_router(fake)
-        outs = await collect(router)
-        await settle(router)
-        assert len(outs) == 1 and outs[0].finish_reason is ERROR
-        assert outs[0].error == "timeout:transfer: D never acknowledged the KV"
-        assert len(fake.legs) == 4   # two tries, each with both legs; the only pair is reused
-        assert finished(router) == {("failed", "timeout:transfer"): 1.0}
-    asyncio.run(main())
-
-
-def test_a_request_the_workers_reject_is_rejected_with_their_message():
-    async def main():
-        fake = FakeWorkers([P1, D1])
-        body = {"error": {"message": "prompt too long for the KV pool", "type": "invalid_request_error",
-                          "param": "messages", "code": "kv_capacity_exceeded"}}
-        fake.behaviour[P1] = fake.behaviour[D1] = lambda leg: httpx.Response(400, json=body)
-        router = await start_router(fake)
-        with pytest.raises(RequestRejected) as err:
-            await collect(router)
-        await settle(router)
-        assert (str(err.value), err.value.param, err.value.code) == (
-            "prompt too long for the KV pool", "messages", "kv_capacity_exceeded")
-        assert len(fake.legs) == 2
-        assert finished(router) == {("failed", "invalid_request"): 1.0}
-    asyncio.run(main())
-
-
-def test_a_client_abort_ends_the_request_and_aborts_both_legs():
-    async def main():
-        fake = FakeWorkers([P1, D1])
-        fake.behaviour[P1] = fake.behaviour[D1] = hangs
-        router = await start_router(fake)
-        task = asyncio.create_task(collect(router))
-        await asyncio.sleep(0.05)
-        assert [row["phase"] for row in router.debug_rows()] == ["dispatched"]
-        await router.abort("r1")
-        outs = await task
-        await settle(router)
-        assert [o.finish_reason for o in outs] == [FinishReason.ABORT]
-        assert sorted(fake.aborts) == [(D1, "r1"), (P1, "r1")]
-        assert outstanding(router) == [0, 0]
-        assert finished(router) == {("aborted", "aborted"): 1.0}
-    asyncio.run(main())
-
-
-def test_a_consumer_that_stops_reading_mid_stream_aborts_both_legs():
-    async def main():
-        fake = FakeWorkers([P1, D1])
-        fake.behaviour[P1] = hangs
-        fake.behaviour[D1] = decode_tokens(1, end=None, hang=True)
-        router = await start_router(fake)
-        gen = router.generate(request())
-        first = await gen.__anext__()
-        assert first.text == "<1>"
-        assert [row["phase"] for row in router.debug_rows()] == ["streaming"]
-        await gen.aclose()
-        await settle(router)
-        assert sorted(fake.aborts) == [(D1, "r1"), (P1, "r1")]
-        assert outstanding(router) == [0, 0]
-        assert finished(router) == {("aborted", "aborted"): 1.0}
-    asyncio.run(main())
-
-
-def test_the_end_to_end_deadline_aborts_both_legs_and_names_the_reason():
-    async def main():
-        fake = FakeWorkers([P1, D1])
-        fake.behaviour[P1] = fake.behaviour[D1] = hangs
-        router = await start_router(fake, request_timeout=0.2)
-        outs = await collect(router)
-        await settle(router)
-        assert outs[-1].finish_reason is ERROR and outs[-1].error.startswith("timeout:request: ")
-        assert sorted(fake.aborts) == [(D1, "r1"), (P1, "r1")]
-        assert len(fake.legs) == 2   # a deadline is never retried
-    asyncio.run(main())
-
-
-def test_beyond_max_queued_requests_new_requests_get_503_with_retry_after():
-    async def main():
-        fake = FakeWorkers([P1, D1])
-        fake.behaviour[P1] = fake.behaviour[D1] = hangs
-        router = await start_router(fake, max_queued_requests=1)
-        task = asyncio.create_task(collect(router, "r1"))
-        await asyncio.sleep(0.05)
-        with pytest.raises(OpenAIError) as err:
-            await collect(router, "r2")
-        assert (err.value.status, err.value.code, err.value.headers) == (503, "overloaded", {"Retry-After": "1"})
-        await router.abort("r1")
-        await task
-        fake.behaviour[P1], fake.behaviour[D1] = prefill_ok, decode_tokens(1)
-        outs = await asyncio.wait_for(collect(router, "r3"), 5)   # room again once r1 has ended
-        await settle(router)
-        assert outs[-1].finish_reason is LENGTH
-        assert finished(router) == {("failed", "overloaded"): 1.0, ("aborted", "aborted"): 1.0,
-                                    ("success", "length"): 1.0}
-    asyncio.run(main())
-
-
-def test_with_no_healthy_pair_the_client_gets_503():
-    async def main():
-        fake = FakeWorkers([P1, D1])
-        router = await start_router(fake)
-        fake.behaviour[D1] = refused
-        router.monitor.failed(D1, "ConnectError: refused")
-        with pytest.raises(OpenAIError) as err:
-            await collect(router)
-        assert (err.value.status, err.value.code) == (503, "no_healthy_worker")
-        assert "no healthy decode worker" in err.value.message
-    asyncio.run(main())
-
-
-def test_health_checks_keep_out_workers_with_another_role_or_model_and_let_them_rejoin():
-    async def main():
-        fake = FakeWorkers([P1, D1, D2])
-        router = await start_router(fake, decode=(D1, D2))
-        fake.models[D2] = "other"
-        fake.role[D1] = "prefill"
-        await router.monitor.check_all()
-        assert router.table.up("decode") == []
-        assert "serves model other" in router.table.get(D2).last_error
-        assert "reports role prefill" in router.table.get(D1).last_error
-        fake.models[D2] = "m"
-        await router.monitor.check_all()
-        assert [w.url for w in router.table.up("decode")] == [D2]
-    asyncio.run(main())
-
-
-def test_startup_refuses_workers_that_disagree_on_the_model():
-    async def main():
-        fake = FakeWorkers([P1, D1])
-        fake.models[D1] = "other"
-        with pytest.raises(StartupError, match="different models"):
-            await start_router(fake)
-    asyncio.run(main())
-
-
-def test_debug_requests_lists_the_routers_requests_and_every_workers_view():
-    async def main():
-        fake = FakeWorkers([P1, D1])
-        fake.behaviour[P1] = fake.behaviour[D1] = hangs
-        router = await start_router(fake)
-        task = asyncio.create_task(collect(router))
-        await asyncio.sleep(0.05)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(router_app(router)), base_url="http://r") as c:
-            debug = (await c.get("/debug/requests")).json()
-            workers = (await c.get("/workers")).json()["workers"]
-            metrics = (await c.get("/metrics")).text
-        await router.abort("r1")
-        await task
-        await settle(router)
-        assert debug["role"] == "router" and debug["count"] == 1
-        row = debug["requests"][0]
-        assert (row["id"], row["phase"], row["attempt"]) == ("r1", "dispatched", 1)
-        assert (row["prefill"], row["decode"]) == (P1, D1)
-        assert row["room"] in fake.rooms() and row["deadline_in"] > 0
-        assert debug["workers"] == {P1: {"role": "prefill", "requests": [], "phases": {}},
-                                    D1: {"role": "decode", "requests": [], "phases": {}}}
-        assert [(w["url"], w["up"], w["outstanding"]) for w in workers] == [(P1, True, 1), (D1, True, 1)]
-        assert 'kvrelay_requests{phase="dispatched",role="router"} 1.0' in metrics
-    asyncio.run(main())
+def test_debug_requests_aggregates_the_routers_rows_and_every_workers_view(cluster):
+    """Two requests held before any KV moves (the decode worker drops its Destination
+    messages): both legs of each are already live, one on a prefill worker and one on the
+    decode worker, under the room the router gave it; the router's /debug/requests lists
+    its own rows and each worker's view, and they agree. With the fault off both complete."""
+    router, decode = cluster.router, cluster.decode[0]
+    cluster.set_faults([decode], "drop:Destination=1")
+    held = [Held(router.url, body(f"held for the debug view {i}")) for i in range(MAX_QUEUED)]
+    try:
+        wait_for(lambda: phase_gauges(router.url)["dispatched"] == MAX_QUEUED
+                 and sum(phase_gauges(decode.url).values()) == MAX_QUEUED
+                 and sum(sum(phase_gauges(p.url).values()) for p in cluster.prefill) == MAX_QUEUED,
+                 "both legs of the held requests", cluster)
+        view = httpx.get(f"{router.url}/debug/requests", timeout=10).json()
+        cluster.set_faults([decode], "")
+        answers = [h.response() for h in held]
+    finally:
+        for h in held:
+            h.close()
+    assert (view["role"], view["count"], len(view["requests"])) == ("router", MAX_QUEUED, MAX_QUEUED)
+    assert set(view["workers"]) == {p.url for p in cluster.workers}
+    for url, worker in view["workers"].items():
+        assert worker["role"] == ("decode" if url == decode.url else "prefill")
+        assert sum(worker["phases"].values()) == len(worker["requests"])
+    assert sum(len(w["requests"]) for w in view["workers"].values()) == 2 * MAX_QUEUED
+    for row in view["requests"]:
+        assert (row["phase"], row["attempt"], row["decode"], row["tokens"]) == ("dispatched", 1, decode.url, 0)
+        assert 0 < row["deadline_in"] <= 120 and row["age"] >= 0 and row["room"] >= 1
+        legs = [(url, leg) for url, w in view["workers"].items() for leg in w["requests"] if leg["rid"] == row["id"]]
+        assert sorted(url for url, _ in legs) == sorted([row["prefill"], decode.url]), legs
+        for url, leg in legs:
+            assert leg["room"] == row["room"] and leg["deadline_in"] > 0
+            assert leg["side"] == ("decode" if url == decode.url else "prefill")
+        # Before any KV moved: P still waits for D's destination, D has nothing to decode.
+        phases = {leg["side"]: leg["phase"] for _, leg in legs}
+        assert phases["prefill"] == "bootstrap" and phases["decode"] in ("bootstrap", "waiting"), phases
+    assert [status for status, _ in answers] == [200] * MAX_QUEUED, answers
+    after = httpx.get(f"{router.url}/debug/requests", timeout=10).json()
+    assert after["count"] == 0 and all(w["requests"] == [] for w in after["workers"].values())
+    cluster.assert_no_leak()

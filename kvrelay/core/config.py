@@ -83,7 +83,8 @@ class LifecycleConfig:
 class TransferConfig:
     transfer_backend: str = _f("shm", "KV transfer backend", choices=("shm", "tcp", "nixl", "fake"))
     transfer_host: str = _f("127.0.0.1", "address the transfer endpoint binds and advertises")
-    transfer_port: int = _f(0, "port of the transfer endpoint (0: pick a free one)")
+    transfer_port: int = _f(0, "port of the transfer endpoint (0: pick a free one; with `serve`, the "
+                            "first worker's, the others take the next ports)")
     fault_spec: str | None = _f(None, "fault injection spec, e.g. 'drop_ack=1.0;delay_ctrl=0.2' "
                                 "(also read from KVRELAY_FAULTS)")
 

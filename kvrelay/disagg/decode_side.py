@@ -9,7 +9,8 @@ Invariants:
   full (bounded by the bootstrap deadline and P's lease); the epoch must be new per reuse.
 - `release(room, pages)` is called exactly once per reserved room: on finish, or on failure
   (two-sided: at once; one-sided: when the quarantine ends: P confirmed Stopped, P is dead or
-  restarted, or transfer_timeout + quarantine_grace passed since the failure).
+  restarted, or transfer_timeout + quarantine_grace passed since the failure). A quarantined
+  room asks P again every heartbeat interval, so one lost message does not hold it.
 - The receiver is closed (its pages stop accepting bytes) before its pages are released.
 """
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Quarantined:
     pages: list[int]
     until: float
     receiver: KVReceiver
+    asked: float = float("-inf")   # last ask_stopped()
 
 
 class DecodeSide(Coordinator):
@@ -125,7 +127,7 @@ class DecodeSide(Coordinator):
         self._tombstone(r, phase_name(terminal))
         if rcv is not None and rcv.may_still_write():
             until = self.clock.now() + self.cfg.transfer_timeout + self.cfg.quarantine_grace
-            self.quarantine[r.room] = Quarantined(r.room, r.peer, r.data["pages"], until, rcv)
+            self.quarantine[r.room] = Quarantined(r.room, r.peer, r.data["pages"], until, rcv, self.clock.now())
             return
         if rcv is not None:
             rcv.close()
@@ -143,6 +145,9 @@ class DecodeSide(Coordinator):
                 del self.quarantine[q.room]
                 q.receiver.close()
                 self.release(q.room, q.pages)
+            elif now - q.asked >= self.cfg.heartbeat_interval:
+                q.asked = now
+                q.receiver.ask_stopped()
 
     def _peer_gone(self, address: str) -> None:
         self._end_quarantines(gone_peer=address)

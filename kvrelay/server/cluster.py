@@ -63,10 +63,15 @@ def _die_with_parent():
     return preexec
 
 
-def worker_argv(config: KVRelayConfig, role: str, port: int) -> list[str]:
+def worker_argv(config: KVRelayConfig, role: str, port: int, ordinal: int = 0) -> list[str]:
+    """The command line of the `ordinal`-th worker (0-based over all of them). A fixed
+    --transfer-port is the first worker's; the others take the ports after it."""
     args = [sys.executable, "-m", "kvrelay", role]
+    transfer = config.transfer
+    if transfer.transfer_port:
+        transfer = dataclasses.replace(transfer, transfer_port=transfer.transfer_port + ordinal)
     for section in WORKER_SECTIONS:
-        args += to_cli_args(getattr(config, section))
+        args += to_cli_args(transfer if section == "transfer" else getattr(config, section))
     return args + to_cli_args(dataclasses.replace(config.server, host=WORKER_HOST, port=port))
 
 
@@ -74,13 +79,13 @@ class WorkerProcess:
     """One child worker: the process, the thread that forwards its output to our stderr
     with a `[prefill-0] ` prefix, and the last lines it printed."""
 
-    def __init__(self, role: str, index: int, config: KVRelayConfig, threads: int) -> None:
+    def __init__(self, role: str, index: int, ordinal: int, config: KVRelayConfig, threads: int) -> None:
         self.role, self.index = role, index
         self.port = _free_port()
         self.url = f"http://{WORKER_HOST}:{self.port}"
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(worker_argv(config, role, self.port), stdin=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(worker_argv(config, role, self.port, ordinal), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, preexec_fn=_die_with_parent())
         self._reader = threading.Thread(target=self._forward, name=f"{role}-{index}-output", daemon=True)
@@ -133,7 +138,7 @@ class LocalCluster:
         threads = cl.worker_threads or max(1, (os.cpu_count() or 1) // (cl.num_prefill + cl.num_decode))
         for role, count in (("prefill", cl.num_prefill), ("decode", cl.num_decode)):
             for i in range(count):
-                self.workers.append(WorkerProcess(role, i, self.config, threads))
+                self.workers.append(WorkerProcess(role, i, len(self.workers), self.config, threads))
         # Readers start after every fork: forking while threads run risks a child inheriting a held lock.
         for w in self.workers:
             w.start_forwarding()

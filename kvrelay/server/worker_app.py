@@ -24,7 +24,7 @@ from kvrelay.engine.loader import load_model
 from kvrelay.engine.types import FinishReason, GenerateRequest, RequestRejected, StepOutput
 from kvrelay.obs.logs import setup_logging
 from kvrelay.obs.metrics import ServingMetrics
-from kvrelay.server.errors import install_handlers, invalid
+from kvrelay.server.errors import StartupError, install_handlers, invalid
 from kvrelay.server.observe import observability_router
 from kvrelay.server.startup import load_with_progress, run_uvicorn, startup_line
 from kvrelay.server.worker_protocol import AbortRequest, FaultsRequest, LegRequest, WorkerHealth, output_to_json
@@ -104,7 +104,11 @@ def serve_worker(config: KVRelayConfig, role: str) -> None:
         loaded = load_with_progress(load_model, config.model)
         return cls(loaded, config.kv, config.scheduler, config.lifecycle, config.transfer, metrics=metrics)
 
-    engine = AsyncEngine(build_core)
+    try:
+        engine = AsyncEngine(build_core)
+    except Exception as exc:  # the pool, the transfer endpoint, ...: one line, not a traceback
+        log.debug("worker start-up failed", exc_info=True)
+        raise StartupError(f"the {role} worker could not start: {type(exc).__name__}: {exc}") from None
     core = engine.core
     srv = config.server
     print(startup_line(role, core.loaded, core.capacity_tokens, f"http://{srv.host}:{srv.port}")

@@ -162,6 +162,13 @@ class KVReceiver(ABC):
         """Re-send the Destination (after send_metadata); idempotent for P."""
 
     @abstractmethod
+    def ask_stopped(self) -> None:
+        """While `may_still_write()`: send the failure Notice again, then the Destination.
+        P ends the room on the Notice (same channel, so it comes first) and answers the
+        Destination of an ended room with Stopped: a lost Destination or Stopped cannot
+        keep the pages quarantined until the backstop."""
+
+    @abstractmethod
     def may_still_write(self) -> bool:
         """True while P might still write into this room's pages: one-sided backend, the
         room failed after send_metadata, and P has not confirmed Stopped."""

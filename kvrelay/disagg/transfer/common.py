@@ -64,8 +64,16 @@ def _notice_kind(reason: str) -> str:
     return "aborted" if reason == "aborted" else "failed"
 
 
+# A failed transfer (or a request the pair cannot serve) is one event for both sides: it
+# keeps its code, so both legs and the client report it alike. Any other failure of the
+# peer (its own deadline, its death) is `peer_failed` here; the detail names the cause.
+_SHARED_REASONS = ("transfer_error", "invalid_request")
+
+
 def _peer_reason(notice: wire.Notice) -> str:
-    return "aborted" if notice.kind == "aborted" else "peer_failed"
+    if notice.kind == "aborted":
+        return "aborted"
+    return notice.reason if notice.reason in _SHARED_REASONS else "peer_failed"
 
 
 class CommonSender(_Endpoint, KVSender):
@@ -246,6 +254,13 @@ class CommonReceiver(_Endpoint, KVReceiver):
         if self._set_failed(reason, detail) and notify and self.peer_address:
             self.m.channel.send(self.peer_address, wire.Notice(self.room, self.epoch or 0,
                                                                _notice_kind(reason), reason))
+
+    def ask_stopped(self) -> None:
+        if self.may_still_write() and self.peer_address and self.dest is not None:
+            reason = self.failure_reason or ""
+            self.m.channel.send(self.peer_address, wire.Notice(self.room, self.dest.epoch,
+                                                               _notice_kind(reason), reason))
+            self.m.channel.send(self.peer_address, self.dest)
 
     def may_still_write(self) -> bool:
         return (self.m.one_sided and self.status is S.FAILED and self.dest is not None
