@@ -47,7 +47,7 @@ MAX_QUEUED = 2
 # router's abort (sent when D's failure reaches it) or D's heartbeat echoing the failure
 # can come first.
 P_FAILED_TRY = {("failed", "transfer_error"), ("aborted", "aborted"), ("failed", "peer_failed")}
-D_FAILED_TRY = {("failed", "peer_failed"), ("aborted", "aborted")}
+D_FAILED_TRY = {("failed", "transfer_error"), ("aborted", "aborted")}   # P's Notice keeps the reason
 
 
 @dataclass
