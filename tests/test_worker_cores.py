@@ -250,3 +250,30 @@ def test_unacknowledged_transfer_fails_within_the_lease(tiny_loaded, backend):
         pouts, douts = asyncio.run(pair.run(greedy("after", range(5, 40), n=4)))
         assert douts[-1].finish_reason is FinishReason.LENGTH and len(tokens(douts)) == 4
         pair.assert_idle()
+
+
+def test_prefill_steps_stay_inside_the_heartbeat_interval(tiny_loaded):
+    """Heartbeats leave between engine steps, so a worker sizes each prefill step from the
+    measured rate to take about half a heartbeat interval (never above
+    --max-prefill-tokens, never below a page): a long prompt is chunked instead of
+    silencing the worker past its lease."""
+    from kvrelay.disagg.worker_core import FIRST_BUDGET, STEP_SHARE
+    with _pair(tiny_loaded, REAL[0]) as pair:
+        def fit(tokens, seconds):
+            def run(c):
+                c.last_prefill = (tokens, seconds)
+                c._fit_prefill_budget()
+                return c.scheduler.prefill_budget
+            return pair.P.call(run)
+
+        assert pair.P.call(lambda c: c.scheduler.prefill_budget) == min(SCHED.max_prefill_tokens, FIRST_BUDGET)
+        slow = 100 / (LIFE.heartbeat_interval * STEP_SHARE)       # 100 tokens fill the target step time
+        budgets = [fit(int(slow), 1.0) for _ in range(12)]
+        assert budgets[-1] in (100, 99)                          # converges on the measured rate
+        assert all(b >= KV.page_size for b in budgets)
+        assert fit(10**9, 1.0) <= SCHED.max_prefill_tokens and fit(1, 100.0) >= KV.page_size
+        # A real prompt longer than the budget is prefilled in chunks and still served.
+        pair.P.call(lambda c: setattr(c.scheduler, "prefill_budget", 64))
+        pouts, douts = asyncio.run(pair.run(greedy("chunked", range(5, 400), n=4)))
+        assert douts[-1].finish_reason is FinishReason.LENGTH and len(tokens(douts)) == 4
+        pair.assert_idle()

@@ -55,7 +55,7 @@ class DecodeCore(WorkerCore):
         self.side.step()
         for room, aux in self.side.take_ready():
             self._start_decode(room, aux)
-        super().step()
+        self._engine_step()
 
     def _start_decode(self, room: int, aux) -> None:
         leg = self.legs[room]

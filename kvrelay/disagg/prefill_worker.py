@@ -46,7 +46,7 @@ class PrefillCore(WorkerCore):
                 leg = self.legs[room]
                 super().add(leg.greq, self._engine_sink(room), prefill_only=True)
                 leg.in_engine = True
-        super().step()
+        self._engine_step()
 
     def _engine_sink(self, room: int):
         def sink(out: StepOutput) -> None:

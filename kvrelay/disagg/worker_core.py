@@ -31,6 +31,8 @@ log = logging.getLogger("kvrelay.worker")
 
 BUSY_WAIT = 0.005   # loop wait while rooms are live: peers' messages are polled this often
 IDLE_WAIT = 0.02    # nothing live: still stepped, so heartbeats and leases keep running
+STEP_SHARE = 0.5    # a prefill step may take at most this share of the heartbeat interval
+FIRST_BUDGET = 256  # prompt tokens of the first prefill step, before any has been timed
 
 
 @dataclass(eq=False)
@@ -67,6 +69,8 @@ class WorkerCore(EngineCore):
         self.room_of: dict[str, int] = {}
         self.side: Coordinator = self._make_side()
         self.side.lc.on_leave = self._observe_phase
+        self._cap = sched_cfg.max_prefill_tokens
+        self.scheduler.prefill_budget = min(self._cap, FIRST_BUDGET)
 
     @abstractmethod
     def _make_side(self) -> Coordinator: ...
@@ -122,6 +126,24 @@ class WorkerCore(EngineCore):
             self.metrics.phase_seconds.labels(self.role, phase).observe(seconds)
 
     # ---- the loop ------------------------------------------------------------------------
+    def _engine_step(self) -> None:
+        EngineCore.step(self)
+        self._fit_prefill_budget()
+
+    def _fit_prefill_budget(self) -> None:
+        """Heartbeats leave between steps, so one step must stay well inside the lease: the
+        prompt tokens of a prefill step follow the measured rate, to take about
+        STEP_SHARE of a heartbeat interval (at most --max-prefill-tokens)."""
+        if self.last_prefill is None:
+            return
+        tokens, seconds = self.last_prefill
+        self.last_prefill = None
+        if seconds <= 0 or tokens <= 0:
+            return
+        target = tokens / seconds * self.lifecycle_cfg.heartbeat_interval * STEP_SHARE
+        budget = 0.5 * self.scheduler.prefill_budget + 0.5 * target   # smooth: one noisy step moves it half way
+        self.scheduler.prefill_budget = int(min(self._cap, max(self.layout.page_size, budget)))
+
     @property
     def busy(self) -> bool:
         return self.has_work or bool(self.legs) or not self.side.idle()

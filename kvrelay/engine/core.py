@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from typing import Callable
 
 import torch
@@ -61,6 +62,7 @@ class EngineCore:
         self._tokenizer = copy.deepcopy(loaded.tokenizer)
         self._sinks: dict[str, Sink] = {}
         self._reqs: dict[str, Req] = {}
+        self.last_prefill: tuple[int, float] | None = None  # (prompt tokens, seconds) of the latest prefill step
 
     @property
     def capacity_tokens(self) -> int:
@@ -139,7 +141,9 @@ class EngineCore:
             return
         try:
             if batch.prefill:
+                started = time.perf_counter()
                 self._run_prefill(batch.prefill)
+                self.last_prefill = (sum(i.length for i in batch.prefill), time.perf_counter() - started)
             else:
                 self._run_decode(batch.decode)
         except Exception as exc:  # a failed forward ends its batch, never the loop

@@ -57,6 +57,9 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.num_preemptions = 0
+        # Prompt tokens per prefill step; the owner may lower it below the configured cap
+        # (a disaggregated worker keeps each step shorter than its heartbeat interval).
+        self.prefill_budget = config.max_prefill_tokens
 
     # -- queue membership -------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -105,7 +108,7 @@ class Scheduler:
 
     def _schedule_prefill(self) -> list[PrefillItem]:
         items: list[PrefillItem] = []
-        budget = self.config.max_prefill_tokens
+        budget = self.prefill_budget
         slots = self.config.max_running_requests - len(self.running)
         for req in list(self.waiting):
             if budget <= 0 or len(items) >= slots:
