@@ -225,7 +225,7 @@ class CommonReceiver(_Endpoint, KVReceiver):
         if aux.epoch != self.epoch:
             return
         if self.status is S.SUCCESS:
-            self.m.channel.send(self.peer_address, wire.Ack(self.room, aux.epoch))  # P lost the ack
+            self.m.send_ack(self.peer_address, wire.Ack(self.room, aux.epoch))  # P lost the ack
         elif self.status is S.TRANSFERRING:
             self._aux = aux
             self._maybe_done()
@@ -234,7 +234,7 @@ class CommonReceiver(_Endpoint, KVReceiver):
         complete = self.m.one_sided or len(self.landed) == len(self.pages)
         if self.status is S.TRANSFERRING and self._aux is not None and complete:
             self.status = S.SUCCESS
-            self.m.channel.send(self.peer_address, wire.Ack(self.room, self._aux.epoch))
+            self.m.send_ack(self.peer_address, wire.Ack(self.room, self._aux.epoch))
 
     def on_notice(self, notice: wire.Notice) -> None:
         if self.epoch is None or notice.epoch in (self.epoch, 0):
@@ -351,6 +351,10 @@ class CommonManager(TransferManager):
             rcv._maybe_done()
 
     # ---- jobs (fault hook in front of the backend) --------------------------------------
+    def send_ack(self, dst: str, ack: wire.Ack) -> None:
+        """D acknowledges a room's KV + aux (a backend may carry it on its data path)."""
+        self.channel.send(dst, ack)
+
     def record_write(self, job: WriteJob) -> None:
         self.bytes_written += sum(n for _, _, n in job.runs)
         self.write_seconds += self.clock.now() - job.started

@@ -4,7 +4,8 @@ Each worker owns one NIXL agent (named after its incarnation) and registers its 
 with it. The agent's metadata and the pool's address travel in the bootstrap endpoint, so
 no NIXL listener or metadata server is needed. P posts one WRITE per room (every page run
 as one descriptor) with the room's Aux as the WRITE's notification: NIXL delivers it to D
-after the data, so Aux still travels last and needs no control hop of its own. P polls
+after the data, so Aux still travels last and needs no control hop of its own; D's Ack
+goes back the same way, as a notification to P's agent. P polls
 the WRITE from progress(); DONE means the bytes are visible in D's memory.
 
 Invariants:
@@ -105,10 +106,19 @@ class NixlManager(CommonManager):
                     src, msg = wire.decode(raw)
                 except wire.WireError:
                     continue
-                if isinstance(msg, wire.Aux):
+                if isinstance(msg, (wire.Aux, wire.Ack)):
                     self._heard[src] = self.clock.now()
                     self._dispatch_room(Received(src, msg))
         super().progress()
+
+    def send_ack(self, dst: str, ack: wire.Ack) -> None:
+        # Back to P's agent as a NIXL notification: no control hop (fault injection still
+        # applies; a dropped Ack is recovered like any lost Ack).
+        remote = self._remote.get(dst)
+        if not isinstance(remote, tuple):
+            super().send_ack(dst, ack)
+        elif not self.faults.drops(ack):
+            self.agent.send_notif(remote[0], wire.encode(ack, self.address))
 
     # ---- P side ----------------------------------------------------------------------------
     def write_start(self, job: WriteJob) -> None:
