@@ -161,3 +161,29 @@ def test_same_seed_same_sampled_output(tiny_engine):
     b = run_all(tiny_engine, [("s2", prompt, params), ("s3", prompt[:10], params)])[0][0]
     assert a == b
     tiny_engine.check_idle()
+
+
+def test_a_caller_that_leaves_while_its_add_is_queued_never_stops_the_engine(tiny_engine):
+    """The client disconnects while its request waits in the engine's inbox (the add's
+    future is cancelled): the add is skipped, the engine thread keeps serving."""
+    import asyncio
+    import concurrent.futures
+
+    from kvrelay.engine.types import GenerateRequest, SamplingParams
+
+    greq = GenerateRequest("gone", (1, 2, 3), SamplingParams(max_tokens=4, temperature=0.0))
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    fut.cancel()
+    tiny_engine._inbox.put(("add", greq, lambda out: None, {}, fut))
+    call: concurrent.futures.Future = concurrent.futures.Future()
+    call.cancel()
+    tiny_engine._inbox.put(("call", lambda core: 1, call))
+
+    async def after():
+        ok = GenerateRequest("after", (1, 2, 3), SamplingParams(max_tokens=3, temperature=0.0))
+        return [o async for o in tiny_engine.generate(ok)]
+
+    outs = asyncio.run(after())
+    assert outs[-1].completion_tokens == 3
+    assert tiny_engine._thread.is_alive()
+    tiny_engine.check_idle()

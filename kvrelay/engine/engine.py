@@ -81,9 +81,14 @@ class AsyncEngine(EngineClient):
                 return
 
     def _run(self, cmd: tuple) -> None:
+        """Invariant: a command whose caller already gave up (its future was cancelled, e.g.
+        the client left while the add was queued) is skipped, never run, and never ends
+        the loop: `set_running_or_notify_cancel` makes the future uncancellable first."""
         kind, *args = cmd
         if kind == "add":
             greq, sink, add_kwargs, fut = args
+            if not fut.set_running_or_notify_cancel():
+                return  # the caller's abort for this rid follows and finds nothing
             try:
                 self.core.add(greq, sink, **add_kwargs)
                 fut.set_result(None)
@@ -93,6 +98,8 @@ class AsyncEngine(EngineClient):
             self.core.abort(args[0])
         elif kind == "call":
             fn, fut = args
+            if not fut.set_running_or_notify_cancel():
+                return
             try:
                 fut.set_result(fn(self.core))
             except BaseException as exc:
