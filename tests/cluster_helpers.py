@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from serving_helpers import free_port, gauge, metric_samples
+from serving_helpers import free_port, gauge, metric_samples, wait_healthy
 
 # Short leases so that failures show within seconds; long backstops so that a test passing
 # proves the lease (not a fixed timeout) ended the request.
@@ -42,19 +42,8 @@ class Proc:
         return self
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            assert self.popen is not None
-            if self.popen.poll() is not None:
-                raise AssertionError(f"{self.name} exited with {self.popen.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{self.name} did not become healthy:\n{self.tail()}")
-            time.sleep(0.3)
+        assert self.popen is not None
+        wait_healthy(self.popen, self.url, timeout, self.tail)
 
     def signal(self, sig: int) -> None:
         assert self.popen is not None

@@ -19,6 +19,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, output) -> None:
+    """Until `url`/health answers 200; an AssertionError with `output()` if `proc` exits
+    first or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"{url} exited with {proc.returncode}:\n{output()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{url} did not become healthy:\n{output()}")
+        time.sleep(0.3)
+
+
 @contextlib.contextmanager
 def running_server(*args: str, ready_timeout: float = 180.0):
     """Start `python -m kvrelay serve ...` on a free port; yield its base URL; stop it."""
@@ -28,18 +45,7 @@ def running_server(*args: str, ready_timeout: float = 180.0):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited with {proc.returncode}:\n{proc.stdout.read()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError("server did not become healthy")
-            time.sleep(0.5)
+        wait_healthy(proc, url, ready_timeout, lambda: proc.stdout.read() if proc.poll() is not None else "")
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)
