@@ -44,7 +44,7 @@ import httpx
 
 from kvrelay.cli import build_parser, config_from_args
 from kvrelay.core.config import KVRelayConfig, LifecycleConfig, ModelOptions, SchedulerConfig, TransferConfig
-from serving_helpers import free_port
+from serving_helpers import assert_no_leak, free_port
 
 
 def parse(*argv: str) -> KVRelayConfig:
@@ -276,6 +276,7 @@ def test_serve_starts_its_workers_serves_and_a_signal_stops_every_child(serve, s
                                                     "ignore_eos": True}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 5 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert_no_leak(s.url)   # the router and both workers
 
     if stop == "SIGTERM":
         s.proc.send_signal(signal.SIGTERM)
@@ -324,6 +325,7 @@ def test_the_workers_die_with_serve(serve):
     workers = httpx.get(f"{s.url}/workers", timeout=10).json()["workers"]
     segments = [Path(f"/dev/shm/kvrelay_{w['health']['incarnation']}") for w in workers]
     assert len(kids) == 2 and all(seg.exists() for seg in segments)
+    assert_no_leak(s.url)
     os.kill(s.proc.pid, signal.SIGKILL)
     s.proc.wait()
     assert wait_gone(kids, 15) == [], [cmdline(p) for p in kids if not gone(p)]
