@@ -19,16 +19,26 @@ def reference(pool, page_table, kv_lens, q, layer, H, S, scale):
     return torch.stack(outs)
 
 
+# (page size, head dim, query heads per kv head, kv lengths): partial and full last pages,
+# lengths on both sides of the 16-key blocks, and query-head counts that split into
+# several register blocks on the bfloat16 fast path.
+SHAPES = [(4, 64, 3, [1, 5, 17, 32]), (16, 64, 8, [16, 31, 33, 100]), (16, 128, 5, [7, 48, 64, 120]),
+          (8, 128, 1, [2, 15, 16, 64]), (16, 64, 16, [1, 40, 80, 128])]
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_native_decode_matches_torch_attention(dtype, tol):
+@pytest.mark.parametrize("S,D,G,lens", SHAPES)
+def test_native_decode_matches_torch_attention(dtype, tol, S, D, G, lens):
     kernel = kernels.paged_decode()
     assert kernel is not None, "the C compiler is part of the supported setup"
     gen = torch.Generator().manual_seed(0)
-    P, L, H, S, D, G, B = 40, 3, 2, 4, 64, 3, 4
+    L, H, B = 3, 2, len(lens)
+    max_pages = -(-max(lens) // S)
+    P = B * max_pages + 3
     pool = torch.randn(P, L, 2, H, S, D, generator=gen).to(dtype)
     perm = torch.randperm(P, generator=gen)
-    page_table = perm[: B * 8].view(B, 8).contiguous()
-    kv_lens = torch.tensor([1, 5, 17, 32], dtype=torch.int64)   # partial and full last pages
+    page_table = perm[: B * max_pages].view(B, max_pages).contiguous()
+    kv_lens = torch.tensor(lens, dtype=torch.int64)
     q = torch.randn(B, H * G, D, generator=gen).to(dtype)
     out = kernel(pool, page_table, kv_lens, q, layer=2, num_kv_heads=H, page_size=S, scale=D ** -0.5)
     ref = reference(pool, page_table, kv_lens, q, 2, H, S, D ** -0.5)

@@ -7,6 +7,8 @@
  * soname), so these threads are torch's own team, not a second one competing for cores.
  * Scores are computed in float32 in a first pass, softmax-normalised, then used to
  * accumulate values in a second pass. Head dims 64 and 128 get fixed-size inner loops.
+ * On CPUs with AVX-512 BF16 the bfloat16 path (paged_attention_avx512.h) takes 16 keys
+ * at a time: bf16 dot products, one shuffle tree per 16 scores, float32 accumulation.
  */
 #include <math.h>
 #include <stdint.h>
@@ -14,6 +16,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "paged_attention_avx512.h"
 
 #define MAX_GROUP 16
 
@@ -55,7 +58,8 @@ static void NAME(const T *pool, const int64_t *pages, int64_t n, const T *q, T *
     for (int64_t i = 0; i < G * DIM; ++i) out[i] = STORE(acc[i]);                            \
 }
 
-#define DEFINE_KERNEL(NAME, T, LOAD, STORE)                                                   \
+/* FAST: whether T is bfloat16 and the AVX-512 BF16 item is compiled in. */
+#define DEFINE_KERNEL(NAME, T, LOAD, STORE, FAST)                                             \
 DEFINE_ITEM(NAME##_d64, T, LOAD, STORE, int64_t unused, 64)                                   \
 DEFINE_ITEM(NAME##_d128, T, LOAD, STORE, int64_t unused, 128)                                 \
 int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const T *q, T *out, \
@@ -68,13 +72,16 @@ int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const
     int failed = 0;                                                                          \
     _Pragma("omp parallel reduction(|:failed)")                                              \
     {                                                                                        \
-        float *scores = malloc(sizeof(float) * (size_t)(G * longest));                      \
+        float *scores = malloc(sizeof(float) * (size_t)SCRATCH_FLOATS(FAST, G, longest));   \
         if (!scores) failed = 1;                                                             \
         _Pragma("omp for schedule(static)")                                                  \
         for (int64_t w = lo; w < hi; ++w) {                                                  \
             if (failed) continue;                                                            \
             const int64_t b = w / H, h = w % H, off = ((b * H + h) * G) * D;                 \
-            if (D == 64)                                                                     \
+            if (FAST)                                                                        \
+                FAST_ITEM(pool, page_table + b * max_pages, kv_lens[b], q + off, out + off,   \
+                          layer, L, H, h, G, S, D, scale, scores);                            \
+            else if (D == 64)                                                                \
                 NAME##_d64(pool, page_table + b * max_pages, kv_lens[b], q + off, out + off,  \
                            layer, L, H, h, G, S, 0, scale, scores);                          \
             else                                                                             \
@@ -86,5 +93,14 @@ int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const
     return failed ? -1 : 0;                                                                  \
 }
 
-DEFINE_KERNEL(paged_decode_bf16, uint16_t, bf16_load, bf16_round)
-DEFINE_KERNEL(paged_decode_f32, float, F32_LOAD, F32_STORE)
+#ifdef KVRELAY_FAST_DECODE
+#define SCRATCH_FLOATS(FAST, G, n) ((FAST) ? fast_scratch_floats(G, n) : (G) * (n))
+#define FAST_ITEM(pool, pages, n, q, out, ...) \
+    fast_item((const uint16_t *)(pool), pages, n, (const uint16_t *)(q), (uint16_t *)(out), __VA_ARGS__)
+DEFINE_KERNEL(paged_decode_bf16, uint16_t, bf16_load, bf16_round, 1)
+#else
+#define SCRATCH_FLOATS(FAST, G, n) ((G) * (n))
+#define FAST_ITEM(...) (void)0
+DEFINE_KERNEL(paged_decode_bf16, uint16_t, bf16_load, bf16_round, 0)
+#endif
+DEFINE_KERNEL(paged_decode_f32, float, F32_LOAD, F32_STORE, 0)
