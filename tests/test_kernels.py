@@ -86,3 +86,34 @@ def test_fused_add_rms_norm_and_silu_mul_match_torch(dtype, tol):
     gate_up = torch.randn(5, 2 * 40, generator=gen).to(dtype)
     want_act = F.silu(gate_up[:, :40].float()) * gate_up[:, 40:].float()
     assert (ew.silu_mul(gate_up).float() - want_act).abs().max().item() < tol
+
+
+def test_native_rope_matches_the_torch_ops():
+    from kvrelay.engine.models.layers import RotaryEmbedding, apply_rope
+    ew = kernels.elementwise()
+    gen = torch.Generator().manual_seed(2)
+    rope = RotaryEmbedding(64, 512, 10000.0, None)
+    positions = torch.randint(0, 512, (37,), generator=gen)
+    qkv = torch.randn(37, 5, 64, generator=gen).to(torch.bfloat16)
+    cos, sin = rope.cos_sin(positions, torch.bfloat16)
+    want = apply_rope(qkv[:, :4], cos, sin)
+    got = qkv.clone()
+    ew.rope_(got, 4, rope.table(positions.device), positions)
+    assert torch.equal(got[:, 4], qkv[:, 4])                # heads past `heads` are untouched
+    diff = (got[:, :4].float() - want.float()).abs()
+    assert (diff <= want.float().abs() * 2 ** -7 + 1e-30).all()  # at most one bf16 ulp apart
+    assert (diff == 0).float().mean().item() > 0.99           # and nearly always identical
+
+
+def test_native_argmax_and_topk_match_torch():
+    ew = kernels.elementwise()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 5000, generator=gen)
+    x[3, 10] = x[3, 4000] = x[3].max() + 1                   # a tie: the first index wins
+    x[5, :] = float("-inf")
+    x[5, 77] = 0.0
+    assert torch.equal(ew.argmax(x), x.argmax(dim=-1))
+    top = ew.topk_indices(x, 8)
+    want = x.topk(8, dim=-1)
+    assert torch.equal(x.gather(1, top), want.values)        # best first
+    assert top[3, 0].item() == 10 and top[3, 1].item() == 4000

@@ -33,6 +33,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from kvrelay.engine.kernels import elementwise
 from kvrelay.engine.types import RequestRejected, SamplingParams, TokenLogprob
 
 MAX_LOGPROBS = 20
@@ -46,6 +47,15 @@ def _mix_seed(seed: int, step: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (z ^ (z >> 31)) & _SEED_MASK
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """The first maximal index of each row (ties go to the lowest id), natively for CPU
+    float32 rows, which never hold NaN here."""
+    ew = elementwise()
+    if ew is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+        return ew.argmax(x)
+    return x.argmax(dim=-1)
 
 
 def validate_params(params: SamplingParams) -> None:
@@ -214,8 +224,7 @@ class Sampler:
     # -- step 3: choosing the token -----------------------------------------------------
 
     def _choose(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-        # torch.argmax returns the first maximal index: ties go to the lowest id
-        tokens = logits.argmax(dim=-1)
+        tokens = first_argmax(logits)
         random_rows = [b for b, st in enumerate(states) if not st.params.greedy]
         if random_rows:
             sub = [states[b] for b in random_rows]
@@ -235,7 +244,7 @@ class Sampler:
             race[b].exponential_(generator=st.generator(dev))
         # Exp(1) can return 0; clamping keeps 0 / 0 (a cut token) from becoming NaN
         race.clamp_(min=torch.finfo(race.dtype).tiny)
-        return (probs / race).argmax(dim=-1)
+        return first_argmax(probs / race)
 
     # -- step 2: logprobs (of the penalised logits) -------------------------------------
 

@@ -85,8 +85,12 @@ class PagedDecode:
 
 
 class Elementwise:
-    """Fused residual-add + RMSNorm and SiLU-and-multiply, in place of 4-8 torch ops (and
-    their bf16<->float32 copies) each."""
+    """Fused residual-add + RMSNorm, SiLU-and-multiply and RoPE, in place of 4-8 torch ops
+    (and their bf16<->float32 copies) each; row-wise argmax and top-k over float32 logits
+    (torch's take ~1.2 ms for 32 x 49152 here, these ~0.1-0.3 ms)."""
+
+    MAX_TOPK = 64
+    MAX_ROPE_DIM = 256
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._norm = {torch.bfloat16: lib.add_rms_norm_bf16, torch.float32: lib.add_rms_norm_f32}
@@ -95,6 +99,36 @@ class Elementwise:
             fn.restype, fn.argtypes = None, [_P, _P, _P, _P, _I64, _I64, _F32]
         for fn in self._silu.values():
             fn.restype, fn.argtypes = None, [_P, _P, _I64, _I64]
+        self._rope, self._argmax, self._topk = lib.rope_bf16, lib.argmax_rows_f32, lib.topk_rows_f32
+        self._rope.restype, self._rope.argtypes = None, [_P, _P, _P, _I64, _I64, _I64, _I64]
+        self._argmax.restype, self._argmax.argtypes = None, [_P, _I64, _I64, _P]
+        self._topk.restype, self._topk.argtypes = None, [_P, _I64, _I64, _I64, _P]
+
+    def rope_(self, x: torch.Tensor, heads: int, table: torch.Tensor, positions: torch.Tensor) -> None:
+        """Rotate the first `heads` heads of x [T, H, D] (bfloat16, rows contiguous) in place
+        by the float32 cos/sin table [max_positions, 2, D] at `positions` [T] (int64)."""
+        T, _, D = x.shape
+        assert x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(1) == D and table.is_contiguous()
+        assert D <= self.MAX_ROPE_DIM and D % 2 == 0
+        positions = positions.contiguous()
+        self._rope(x.data_ptr(), table.data_ptr(), positions.data_ptr(), T, x.stride(0), heads, D)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(x, -1) for float32 [B, N] without NaN."""
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+        return out
+
+    def topk_indices(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """Indices [B, k] of each row's k largest values (float32 [B, N], k <= MAX_TOPK)."""
+        x = x.contiguous()
+        k = min(k, x.shape[1])
+        if k > self.MAX_TOPK:
+            raise ValueError(f"top-k of at most {self.MAX_TOPK}")
+        out = torch.empty(x.shape[0], k, dtype=torch.int64)
+        self._topk(x.data_ptr(), x.shape[0], x.shape[1], k, out.data_ptr())
+        return out
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._norm

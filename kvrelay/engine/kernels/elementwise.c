@@ -3,6 +3,7 @@
  *   add_rms_norm: h <- h + delta (rounded to the storage dtype, as an unfused add would
  *                 be), out <- rmsnorm(h) * weight. delta may be NULL (plain RMSNorm).
  *   silu_mul:     out[r, i] <- silu(gate_up[r, i]) * gate_up[r, inter + i].
+ *   rope_bf16, argmax_rows_f32, topk_rows_f32: see each function.
  */
 #include <math.h>
 #include <stdint.h>
@@ -50,3 +51,66 @@ void silu_mul_##SUFFIX(const T *gate_up, T *out, int64_t rows, int64_t inter) { 
 
 DEFINE_ELEMENTWISE(bf16, uint16_t, bf16_load, bf16_round, BF16_ROUNDTRIP)
 DEFINE_ELEMENTWISE(f32, float, F32_LOAD, F32_STORE, F32_ROUNDTRIP)
+
+/* Neox (rotate-half) RoPE in place on the first `heads` heads of each row of x
+ * [rows][row_stride] (bfloat16), with the cos/sin of position pos[r] from table
+ * [positions][2][dim] (float32). Rounds where the unfused bf16 ops round (cos and sin to
+ * bf16, x * cos to bf16, then x * cos + rotate_half(x) * sin once), so it matches them. */
+void rope_bf16(uint16_t *x, const float *table, const int64_t *pos, int64_t rows, int64_t row_stride,
+               int64_t heads, int64_t dim) {
+    const int64_t half = dim / 2;
+    _Pragma("omp parallel for schedule(static) if(rows * heads * dim >= 65536)")
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *cs = table + pos[r] * 2 * dim;
+        float c[256], s[256];
+        for (int64_t d = 0; d < dim; ++d) {
+            c[d] = BF16_ROUNDTRIP(cs[d]);
+            s[d] = BF16_ROUNDTRIP(cs[dim + d]);
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+            uint16_t *v = x + r * row_stride + h * dim;
+            for (int64_t d = 0; d < half; ++d) {
+                const float a = bf16_load(v + d), b = bf16_load(v + d + half);
+                v[d] = bf16_round(BF16_ROUNDTRIP(a * c[d]) - b * s[d]);
+                v[d + half] = bf16_round(BF16_ROUNDTRIP(b * c[d + half]) + a * s[d + half]);
+            }
+        }
+    }
+}
+
+/* out[r] = the first index of the largest value of row r of x [rows][n], as torch.argmax
+ * gives for rows without NaN (logits here never hold one). */
+void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t *out) {
+    _Pragma("omp parallel for schedule(static) if(rows * n >= 65536)")
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * n;
+        float best = row[0];
+        for (int64_t i = 1; i < n; ++i) best = row[i] > best ? row[i] : best;
+        int64_t at = 0;
+        while (at < n - 1 && row[at] != best) ++at;
+        out[r] = at;
+    }
+}
+
+/* idx[r][0..k) = indices of the k largest values of row r of x [rows][n], best first,
+ * ties to the lower index. k <= 64. */
+void topk_rows_f32(const float *x, int64_t rows, int64_t n, int64_t k, int64_t *idx) {
+    _Pragma("omp parallel for schedule(static) if(rows * n >= 65536)")
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * n;
+        float val[64];
+        int64_t at[64];
+        int64_t have = 0;
+        float floor = -INFINITY;
+        for (int64_t i = 0; i < n; ++i) {
+            const float v = row[i];
+            if (have == k && !(v > floor)) continue;
+            int64_t j = have < k ? have++ : k - 1;
+            while (j > 0 && v > val[j - 1]) { val[j] = val[j - 1]; at[j] = at[j - 1]; --j; }
+            val[j] = v;
+            at[j] = i;
+            floor = val[have - 1];
+        }
+        for (int64_t j = 0; j < k; ++j) idx[r * k + j] = j < have ? at[j] : 0;
+    }
+}

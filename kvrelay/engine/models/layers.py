@@ -48,7 +48,9 @@ def lm_head_logits(h: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor |
     logits = fast_linear(h, weight, None, packed).float()
     if h.dtype == torch.float32:
         return logits
-    top = logits.topk(min(REFINE_TOP, logits.shape[-1]), dim=-1).indices            # [B, k]
+    ew = elementwise()
+    k = min(REFINE_TOP, logits.shape[-1])
+    top = ew.topk_indices(logits, k) if ew is not None else logits.topk(k, dim=-1).indices  # [B, k]
     exact = torch.einsum("bd,bkd->bk", h.float(), weight[top].float())
     return logits.scatter_(1, top, exact)
 
@@ -135,12 +137,27 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return torch.stack((emb.cos(), emb.sin()), dim=1)
 
+    def table(self, device: torch.device) -> torch.Tensor:
+        """cos and sin of every position, float32 [max_positions, 2, head_dim]."""
+        if self._table is None or self._table.device != device:
+            self._table = self._build(device)
+        return self._table
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, head_dim] in `dtype` for absolute `positions` [T]."""
-        if self._table is None or self._table.device != positions.device:
-            self._table = self._build(positions.device)
-        cs = self._table[positions].to(dtype)
+        cs = self.table(positions.device)[positions].to(dtype)
         return cs[:, 0:1], cs[:, 1:2]
+
+
+def rope_in_place(qkv: torch.Tensor, heads: int, meta: "AttnMeta") -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate the first `heads` heads of qkv [T, H, D] (the queries, then the keys) and
+    return them; in place, natively, for bfloat16 on CPU."""
+    ew = elementwise()
+    if (ew is not None and qkv.dtype == torch.bfloat16 and qkv.device.type == "cpu"
+            and qkv.shape[-1] <= ew.MAX_ROPE_DIM):
+        ew.rope_(qkv, heads, meta.rope_table, meta.batch.positions)
+        return qkv[:, :heads]
+    return apply_rope(qkv[:, :heads], meta.cos, meta.sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -182,6 +199,7 @@ class AttnMeta:
     masked_out: torch.Tensor  # ~mask, for masked_fill
     native: PagedDecode | None  # the native decode kernel, for one-token-per-sequence passes
     kv_lens: torch.Tensor      # [B] int64
+    rope_table: torch.Tensor   # float32 [max_positions, 2, D], for the native RoPE
 
     @classmethod
     def build(cls, batch: ForwardBatch, rope: RotaryEmbedding, dtype: torch.dtype, kv, group: int) -> "AttnMeta":
@@ -201,7 +219,7 @@ class AttnMeta:
         read_rows = None if batch.no_prefix or native is not None else kv.row_ids(batch.page_table)
         return cls(cos, sin, mask, batch.q_index, row_slot, batch,
                    kv.slot_ids(batch.write_pages, batch.write_offsets), read_rows, ~mask, native,
-                   torch.tensor(batch.kv_lens, dtype=torch.int64))
+                   torch.tensor(batch.kv_lens, dtype=torch.int64), rope.table(batch.positions.device))
 
 
 class PagedAttention(nn.Module):

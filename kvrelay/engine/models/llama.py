@@ -13,7 +13,7 @@ from torch import nn
 from kvrelay.engine.forward import ForwardBatch
 from kvrelay.engine.models.base import MODELS, ArchConfig, CausalLM, ModelLoadError
 from kvrelay.engine.models.layers import (AttnMeta, Linear, PagedAttention, RMSNorm, RotaryEmbedding, SwiGLU,
-                                          apply_rope, lm_head_logits, pack_weight)
+                                          lm_head_logits, pack_weight, rope_in_place)
 
 # Checkpoint entries that hold no weight of ours.
 _IGNORED = ("rotary_emb.inv_freq",)
@@ -29,7 +29,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttnMeta, kv) -> torch.Tensor:
         qkv = self.qkv_proj(x).view(-1, self.hq + 2 * self.hkv, self.d)
-        qk = apply_rope(qkv[:, : self.hq + self.hkv], meta.cos, meta.sin)  # q and k rotate together
+        qk = rope_in_place(qkv, self.hq + self.hkv, meta)  # q and k rotate together
         q, k = qk.split([self.hq, self.hkv], dim=1)
         return self.o_proj(self.attn(q, k, qkv[:, self.hq + self.hkv:], meta, kv))
 
