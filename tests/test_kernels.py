@@ -55,12 +55,12 @@ def test_unsupported_shapes_use_the_torch_path():
 
 
 def test_native_kernel_can_be_switched_off(monkeypatch):
-    caches = (kernels.native_library, kernels.paged_decode, kernels.elementwise)
+    caches = (kernels.native_library, kernels.paged_decode, kernels.paged_prefill, kernels.elementwise)
     monkeypatch.setenv("KVRELAY_NATIVE", "0")
     for cache in caches:
         cache.cache_clear()
     try:
-        assert kernels.paged_decode() is None and kernels.elementwise() is None
+        assert kernels.paged_decode() is None and kernels.paged_prefill() is None and kernels.elementwise() is None
     finally:
         monkeypatch.delenv("KVRELAY_NATIVE")
         for cache in caches:
@@ -117,3 +117,30 @@ def test_native_argmax_and_topk_match_torch():
     want = x.topk(8, dim=-1)
     assert torch.equal(x.gather(1, top), want.values)        # best first
     assert top[3, 0].item() == 10 and top[3, 1].item() == 4000
+
+
+@pytest.mark.parametrize("S,D,G,lens", SHAPES)
+def test_native_prefill_matches_causal_attention(S, D, G, lens):
+    kernel = kernels.paged_prefill()
+    assert kernel is not None, "this machine has AVX-512 BF16"
+    gen = torch.Generator().manual_seed(4)
+    L, H, B = 3, 2, len(lens)
+    max_pages = -(-max(lens) // S)
+    P = B * max_pages + 3
+    pool = torch.randn(P, L, 2, H, S, D, generator=gen).to(torch.bfloat16)
+    page_table = torch.randperm(P, generator=gen)[: B * max_pages].view(B, max_pages).contiguous()
+    kv_lens = torch.tensor(lens, dtype=torch.int64)
+    q_lens = torch.tensor([min(n, 1 + n // 2 + b) for b, n in enumerate(lens)], dtype=torch.int64)  # prefix + chunk
+    q_rows = torch.cumsum(q_lens, 0) - q_lens
+    q = torch.randn(int(q_lens.sum()), H * G + 2 * H, D, generator=gen).to(torch.bfloat16)[:, : H * G]  # strided rows
+    out = kernel(pool, page_table, kv_lens, q_lens, q_rows, q, 1, H, S, D ** -0.5)
+    for b in range(B):
+        n, m = lens[b], int(q_lens[b])
+        pages = page_table[b, : -(-n // S)]
+        k = pool[pages, 1, 0].permute(1, 0, 2, 3).reshape(H, -1, D)[:, :n].float()
+        v = pool[pages, 1, 1].permute(1, 0, 2, 3).reshape(H, -1, D)[:, :n].float()
+        qb = q[int(q_rows[b]): int(q_rows[b]) + m].float().transpose(0, 1)           # [Hq, m, D]
+        mask = torch.arange(n)[None, :] <= (n - m + torch.arange(m))[:, None]        # causal, after the prefix
+        want = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, enable_gqa=True).transpose(0, 1)
+        got = out[int(q_rows[b]): int(q_rows[b]) + m].float()
+        assert (got - want).abs().max().item() < 2e-2

@@ -84,6 +84,41 @@ class PagedDecode:
         return out
 
 
+class PagedPrefill:
+    """`__call__` computes one layer's attention for a prefill pass (every query row sees
+    the keys up to its own position, cached prefix included) from the pool, in place of
+    gathering the pages and torch's flash kernel (~3x faster here). bfloat16 on CPUs with
+    AVX-512 BF16 only: `paged_prefill()` is None elsewhere."""
+
+    head_dims = (64, 128)
+    max_group = 16
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.paged_prefill_bf16
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [_P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32]
+
+    def supports(self, dtype: torch.dtype, head_dim: int, group: int) -> bool:
+        return dtype == torch.bfloat16 and head_dim in self.head_dims and group <= self.max_group
+
+    def __call__(self, pool: torch.Tensor, page_table: torch.Tensor, kv_lens: torch.Tensor, q_lens: torch.Tensor,
+                 q_rows: torch.Tensor, q: torch.Tensor, layer: int, num_kv_heads: int, page_size: int,
+                 scale: float) -> torch.Tensor:
+        """pool [pages, L, 2, H, S, D]; page_table [B, P], kv_lens, q_lens, q_rows [B] int64
+        (sequence b's queries are rows q_rows[b].. of q, the last q_lens[b] of its kv_lens[b]
+        positions); q [T, Hq, D] bfloat16 with contiguous rows -> out [T, Hq, D]."""
+        T, Hq, D = q.shape
+        assert q.dtype == pool.dtype and q.stride(2) == 1 and q.stride(1) == D
+        out = q.new_empty(T, Hq, D)
+        H = num_kv_heads
+        rc = self._fn(pool.data_ptr(), page_table.data_ptr(), kv_lens.data_ptr(), q_lens.data_ptr(),
+                      q_rows.data_ptr(), q.data_ptr(), q.stride(0), out.data_ptr(), page_table.shape[0],
+                      page_table.shape[1], layer, pool.shape[1], H, Hq // H, page_size, D, scale)
+        if rc != 0:
+            raise RuntimeError(f"native prefill attention failed ({rc}): out of memory or unsupported shape")
+        return out
+
+
 class Elementwise:
     """Fused residual-add + RMSNorm, SiLU-and-multiply and RoPE, in place of 4-8 torch ops
     (and their bf16<->float32 copies) each; row-wise argmax and top-k over float32 logits
@@ -167,6 +202,12 @@ def native_library() -> ctypes.CDLL | None:
 def paged_decode() -> PagedDecode | None:
     lib = native_library()
     return PagedDecode(lib) if lib is not None else None
+
+
+@lru_cache(maxsize=1)
+def paged_prefill() -> PagedPrefill | None:
+    lib = native_library()
+    return PagedPrefill(lib) if lib is not None and lib.paged_prefill_available() else None
 
 
 @lru_cache(maxsize=1)

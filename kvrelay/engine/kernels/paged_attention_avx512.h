@@ -157,6 +157,92 @@ static inline __attribute__((always_inline)) void fast_item(const uint16_t *pool
     }
 }
 
+/* acc[g][d] = sum_t p[g][t] * vf[t][d] for gb heads, values already float32 [n][dim]. */
+static inline __attribute__((always_inline)) void values_f32(const float *vf, int64_t n, const float *p,
+                                                             int64_t pstride, int gb, int dv, float *out) {
+    __m512 acc[FAST_GB * 8];
+    for (int i = 0; i < gb * dv; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+#pragma GCC unroll 8
+        for (int c = 0; c < dv; ++c) {
+            const __m512 v = _mm512_loadu_ps(vf + t * dv * 16 + 16 * c);
+#pragma GCC unroll 4
+            for (int g = 0; g < gb; ++g)
+                acc[g * dv + c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * pstride + t]), v, acc[g * dv + c]);
+        }
+    }
+    for (int i = 0; i < gb * dv; ++i) _mm512_storeu_ps(out + 16 * i, acc[i]);
+}
+
+/* Softmax of the first n scores of each of G rows (row stride pstride), in place. */
+static inline void softmax_rows(float *scores, int64_t G, int64_t n, int64_t pstride) {
+    for (int64_t g = 0; g < G; ++g) {
+        float *sg = scores + g * pstride, m = -INFINITY, sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) m = sg[t] > m ? sg[t] : m;
+        for (int64_t t = 0; t < n; ++t) { sg[t] = expf(sg[t] - m); sum += sg[t]; }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
+    }
+}
+
+/* Prefill item: sequence with kv_len keys (its new tokens' K/V already in the pool), of
+ * which the last q_len are this pass's queries; query row i sees keys [0, kv_len - q_len
+ * + i]. q rows are q_stride elements apart; out rows are Hq * dim. Scratch: see
+ * prefill_scratch_floats. */
+static void prefill_item(const uint16_t *pool, const int64_t *pages, int64_t n, int64_t q_len,
+                         const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t out_stride,
+                         int64_t layer, int64_t L, int64_t H, int64_t h, int64_t G, int64_t S, int dim,
+                         float scale, float *scratch) {
+    const int dv = dim / 32;
+    const int64_t head_stride = S * dim, page_stride = L * 2 * H * head_stride, pstride = n + 16;
+    float *scores = scratch, *vf = scratch + G * pstride, acc[FAST_GB * 128];
+    const uint16_t **krows = (const uint16_t **)(vf + n * dim);
+    for (int64_t t = 0, i = 0; t < n; ++i) {
+        const uint16_t *k = pool + pages[i] * page_stride + (layer * 2 * H + h) * head_stride;
+        for (int64_t j = 0; j < S && t < n; ++j, ++t) {
+            krows[t] = k + j * dim;
+            const uint16_t *v = k + H * head_stride + j * dim;
+            for (int d = 0; d < dim; ++d) vf[t * dim + d] = bf16_load(v + d);
+        }
+    }
+    const int gmax = dim == 64 ? FAST_GB : FAST_GB / 2;
+    for (int64_t i = 0; i < q_len; ++i) {
+        const int64_t m = n - q_len + i + 1;
+        const uint16_t *qi = q + i * q_stride + h * G * dim;
+        for (int64_t g = 0; g < G; ++g) {
+            __m512bh qg[4];
+            for (int c = 0; c < dv; ++c)
+                qg[c] = (__m512bh)_mm512_loadu_si512((const void *)(qi + g * dim + 32 * c));
+            for (int64_t t = 0; t < m; t += 16)
+                score16(krows + t, m - t < 16 ? (int)(m - t) : 16, qg, dv, scale, scores + g * pstride + t);
+        }
+        softmax_rows(scores, G, m, pstride);
+        uint16_t *oi = out + i * out_stride + h * G * dim;
+        for (int64_t g0 = 0; g0 < G; g0 += gmax) {
+            const int gb = G - g0 < gmax ? (int)(G - g0) : gmax;
+            const float *p = scores + g0 * pstride;
+            if (dim == 64) {
+                switch (gb) {
+                case 1: values_f32(vf, m, p, pstride, 1, 4, acc); break;
+                case 2: values_f32(vf, m, p, pstride, 2, 4, acc); break;
+                case 3: values_f32(vf, m, p, pstride, 3, 4, acc); break;
+                default: values_f32(vf, m, p, pstride, 4, 4, acc); break;
+                }
+            } else {
+                switch (gb) {
+                case 1: values_f32(vf, m, p, pstride, 1, 8, acc); break;
+                default: values_f32(vf, m, p, pstride, 2, 8, acc); break;
+                }
+            }
+            for (int64_t j = 0; j < gb * dim; ++j) oi[g0 * dim + j] = bf16_round(acc[j]);
+        }
+    }
+}
+
+static inline int64_t prefill_scratch_floats(int64_t G, int64_t longest, int64_t dim) {
+    return G * (longest + 16) + longest * dim + longest * (int64_t)(sizeof(void *) / sizeof(float));
+}
+
 /* Scratch floats one thread needs for items of up to `longest` keys. */
 static inline int64_t fast_scratch_floats(int64_t G, int64_t longest) {
     return G * (longest + 16) + 2 * longest * (int64_t)(sizeof(void *) / sizeof(float));

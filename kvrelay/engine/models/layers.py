@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.engine.forward import ForwardBatch
-from kvrelay.engine.kernels import PagedDecode, elementwise, paged_decode
+from kvrelay.engine.kernels import PagedDecode, PagedPrefill, elementwise, paged_decode, paged_prefill
 
 
 # oneDNN weight packing: the packed layout serves every row count; 32 is only its tuning hint.
@@ -200,6 +200,9 @@ class AttnMeta:
     native: PagedDecode | None  # the native decode kernel, for one-token-per-sequence passes
     kv_lens: torch.Tensor      # [B] int64
     rope_table: torch.Tensor   # float32 [max_positions, 2, D], for the native RoPE
+    prefill: PagedPrefill | None  # the native kernel for every other pass, when it applies
+    q_lens: torch.Tensor       # [B] int64
+    q_rows: torch.Tensor       # [B] int64: first row in T of each sequence's queries
 
     @classmethod
     def build(cls, batch: ForwardBatch, rope: RotaryEmbedding, dtype: torch.dtype, kv, group: int) -> "AttnMeta":
@@ -216,10 +219,16 @@ class AttnMeta:
         L = kv.layout
         if native is not None and not native.supports(kv.data.dtype, L.head_dim, group):
             native = None
-        read_rows = None if batch.no_prefix or native is not None else kv.row_ids(batch.page_table)
+        prefill = paged_prefill() if native is None else None
+        if prefill is not None and not prefill.supports(kv.data.dtype, L.head_dim, group):
+            prefill = None
+        read_rows = (None if batch.no_prefix or native is not None or prefill is not None
+                     else kv.row_ids(batch.page_table))
+        q_lens = torch.tensor(batch.q_lens, dtype=torch.int64)
         return cls(cos, sin, mask, batch.q_index, row_slot, batch,
                    kv.slot_ids(batch.write_pages, batch.write_offsets), read_rows, ~mask, native,
-                   torch.tensor(batch.kv_lens, dtype=torch.int64), rope.table(batch.positions.device))
+                   torch.tensor(batch.kv_lens, dtype=torch.int64), rope.table(batch.positions.device),
+                   prefill, q_lens, torch.cumsum(q_lens, 0) - q_lens)
 
 
 class PagedAttention(nn.Module):
@@ -240,6 +249,10 @@ class PagedAttention(nn.Module):
             out = meta.native(kv.data, b.page_table, meta.kv_lens, q.to(kv.data.dtype), self.layer,
                               self.num_kv_heads, kv.layout.page_size, self.head_dim ** -0.5)
             return out.view(-1, self.num_heads * self.head_dim).to(q.dtype)
+        if meta.prefill is not None:  # every query row reads its keys from the pool
+            out = meta.prefill(kv.data, b.page_table, meta.kv_lens, meta.q_lens, meta.q_rows, q, self.layer,
+                               self.num_kv_heads, kv.layout.page_size, self.head_dim ** -0.5)
+            return out.view(-1, self.num_heads * self.head_dim)
         queries = q[meta.q_index]                                      # [B, max_q, Hq, D]
         causal = b.no_prefix
         if causal:
