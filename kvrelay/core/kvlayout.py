@@ -40,11 +40,18 @@ class KVLayout:
         return cls(**d)
 
 
+def _consecutive(pages) -> bool:
+    return pages[-1] - pages[0] == len(pages) - 1 and list(pages) == list(range(pages[0], pages[-1] + 1))
+
+
 def paired_runs(src_pages, dst_pages, page_bytes: int) -> list[tuple[int, int, int]]:
     """Coalesce a page-to-page mapping into (src offset, dst offset, length) byte runs:
     neighbouring pairs merge when both the source and the destination pages are consecutive."""
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
+    n = len(src_pages)
+    if n and _consecutive(src_pages) and _consecutive(dst_pages):  # the common case, without a loop in Python
+        return [(src_pages[0] * page_bytes, dst_pages[0] * page_bytes, n * page_bytes)]
     runs: list[list[int]] = []
     for s, d in zip(src_pages, dst_pages):
         if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
