@@ -55,12 +55,13 @@ def test_unsupported_shapes_use_the_torch_path():
 
 
 def test_native_kernel_can_be_switched_off(monkeypatch):
-    caches = (kernels.native_library, kernels.paged_decode, kernels.paged_prefill, kernels.elementwise)
+    caches = (kernels.native_library, kernels.paged_decode, kernels.paged_prefill, kernels.gemm, kernels.elementwise)
     monkeypatch.setenv("KVRELAY_NATIVE", "0")
     for cache in caches:
         cache.cache_clear()
     try:
         assert kernels.paged_decode() is None and kernels.paged_prefill() is None and kernels.elementwise() is None
+        assert kernels.gemm() is None
     finally:
         monkeypatch.delenv("KVRELAY_NATIVE")
         for cache in caches:
@@ -103,6 +104,13 @@ def test_native_rope_matches_the_torch_ops():
     diff = (got[:, :4].float() - want.float()).abs()
     assert (diff <= want.float().abs() * 2 ** -7 + 1e-30).all()  # at most one bf16 ulp apart
     assert (diff == 0).float().mean().item() > 0.99           # and nearly always identical
+    slots = torch.zeros(100, 64, dtype=torch.bfloat16)
+    slot_ids = torch.randperm(40, generator=gen)[:37]       # one kv head: one slot per token
+    stored = qkv.clone()
+    ew.rope_(stored, 4, rope.table(positions.device), positions, (slots, slot_ids, 1, 3, 50))
+    assert torch.equal(stored, got)
+    assert torch.equal(slots[slot_ids + 3], got[:, 3])       # keys: the last rotated head
+    assert torch.equal(slots[slot_ids + 53], qkv[:, 4])      # values: the head after them
 
 
 def test_native_argmax_and_topk_match_torch():
@@ -144,3 +152,19 @@ def test_native_prefill_matches_causal_attention(S, D, G, lens):
         want = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, enable_gqa=True).transpose(0, 1)
         got = out[int(q_rows[b]): int(q_rows[b]) + m].float()
         assert (got - want).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("M,N,K,bias", [(32, 960, 576, False), (1, 576, 1536, True), (5, 37, 11, True),
+                                        (13, 100, 64, False), (128, 48, 30, True)])
+def test_native_gemm_matches_float32_matmul(M, N, K, bias):
+    g = kernels.gemm()
+    assert g is not None, "this machine has AVX-512 BF16"
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+    w = torch.randn(N, K, generator=gen).to(torch.bfloat16)
+    b = torch.randn(N, generator=gen) if bias else None
+    want = x.float() @ w.float().t() + (b if bias else 0)
+    got = g(x, g.pack(w), N, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+    # float32 accumulation, then one rounding to bfloat16: within half a bf16 ulp (+ sum order)
+    assert ((got.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-3 * K ** 0.5).all()

@@ -220,7 +220,7 @@ def test_default_model_says_paris(default_pair):
 
 
 def test_bfloat16_logits_resolve_near_ties_in_float32():
-    from kvrelay.engine.models.layers import REFINE_TOP, lm_head_logits
+    from kvrelay.engine.models.linear import REFINE_TOP, lm_head_logits
 
     gen = torch.Generator().manual_seed(3)
     h = torch.randn(4, 64, generator=gen).to(torch.bfloat16)

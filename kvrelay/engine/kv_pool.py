@@ -58,6 +58,12 @@ class KVPool:
         self._slots.index_copy_(0, k_slots, k.reshape(-1, D).to(self._slots.dtype))
         self._slots.index_copy_(0, k_slots + H * S, v.reshape(-1, D).to(self._slots.dtype))
 
+    def store_target(self, layer: int) -> tuple[torch.Tensor, int, int]:
+        """For a writer that stores K/V itself with `write`'s addressing: (the pool as slot
+        rows [N, D], the offset of `layer`'s keys from `slot_ids()`, values' offset from keys)."""
+        H, S = self.layout.num_kv_heads, self.layout.page_size
+        return self._slots, layer * 2 * H * S, H * S
+
     def gather(self, layer: int, row_ids: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer` at `row_ids` (from `row_ids()`), each [H, batch, pages * S, D]:
         head-major, so attention batches over (head, sequence) without another copy."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("kvrelay.kernels")
-SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "elementwise.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "elementwise.c", "gemm_bf16.c")]
 HEADERS = [Path(__file__).with_name(n) for n in ("bf16.h", "paged_attention_avx512.h")]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-fopenmp"]
 _I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -119,6 +119,35 @@ class PagedPrefill:
         return out
 
 
+class Gemm:
+    """Small-batch bfloat16 matmul (see gemm_bf16.c): `pack` a weight [N, K] once, then
+    `__call__(x [M, K], packed, N, bias32)` -> [M, N] bfloat16. AVX-512 BF16 CPUs only:
+    `gemm()` is None elsewhere."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._pack, self._mm = lib.gemm_pack_bf16, lib.gemm_bf16
+        self._pack.restype, self._pack.argtypes = None, [_P, _I64, _I64, _P]
+        self._mm.restype, self._mm.argtypes = None, [_P, _I64, _I64, _P, _I64, _P, _P]
+
+    def pack(self, w: torch.Tensor) -> torch.Tensor:
+        assert w.dtype == torch.bfloat16 and w.dim() == 2
+        w = w.contiguous()
+        N, K = w.shape
+        packed = torch.empty(-(-N // 16) * -(-K // 2) * 32, dtype=torch.bfloat16)
+        self._pack(w.data_ptr(), N, K, packed.data_ptr())
+        return packed
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias32: torch.Tensor | None) -> torch.Tensor:
+        assert x.dtype == torch.bfloat16 and x.dim() == 2
+        x = x.contiguous()
+        M, K = x.shape
+        assert packed.numel() == -(-n // 16) * -(-K // 2) * 32, "x does not match the packed weight"
+        out = torch.empty(M, n, dtype=torch.bfloat16)
+        self._mm(x.data_ptr(), M, K, packed.data_ptr(), n, None if bias32 is None else bias32.data_ptr(),
+                 out.data_ptr())
+        return out
+
+
 class Elementwise:
     """Fused residual-add + RMSNorm, SiLU-and-multiply and RoPE, in place of 4-8 torch ops
     (and their bf16<->float32 copies) each; row-wise argmax and top-k over float32 logits
@@ -135,18 +164,28 @@ class Elementwise:
         for fn in self._silu.values():
             fn.restype, fn.argtypes = None, [_P, _P, _I64, _I64]
         self._rope, self._argmax, self._topk = lib.rope_bf16, lib.argmax_rows_f32, lib.topk_rows_f32
-        self._rope.restype, self._rope.argtypes = None, [_P, _P, _P, _I64, _I64, _I64, _I64]
+        self._rope.restype, self._rope.argtypes = None, [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64]
         self._argmax.restype, self._argmax.argtypes = None, [_P, _I64, _I64, _P]
         self._topk.restype, self._topk.argtypes = None, [_P, _I64, _I64, _I64, _P]
 
-    def rope_(self, x: torch.Tensor, heads: int, table: torch.Tensor, positions: torch.Tensor) -> None:
+    def rope_(self, x: torch.Tensor, heads: int, table: torch.Tensor, positions: torch.Tensor,
+              store: tuple[torch.Tensor, torch.Tensor, int, int, int] | None = None) -> None:
         """Rotate the first `heads` heads of x [T, H, D] (bfloat16, rows contiguous) in place
-        by the float32 cos/sin table [max_positions, 2, D] at `positions` [T] (int64)."""
+        by the float32 cos/sin table [max_positions, 2, D] at `positions` [T] (int64).
+        `store` = (slots [N, D] bfloat16, slot_ids [T * hkv] int64, hkv, k_base, v_off) also
+        copies the keys (the last hkv rotated heads) to slots[slot_ids + k_base] and the
+        values (the hkv heads after them) to slots[slot_ids + k_base + v_off]."""
         T, _, D = x.shape
         assert x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(1) == D and table.is_contiguous()
         assert D <= self.MAX_ROPE_DIM and D % 2 == 0
         positions = positions.contiguous()
-        self._rope(x.data_ptr(), table.data_ptr(), positions.data_ptr(), T, x.stride(0), heads, D)
+        slots, slot_ids, hkv, k_base, v_off = store if store is not None else (None, None, 0, 0, 0)
+        if slots is not None:
+            assert slots.dtype == torch.bfloat16 and slots.is_contiguous() and slot_ids.is_contiguous()
+            assert x.shape[1] >= heads + hkv and slot_ids.numel() == T * hkv
+        self._rope(x.data_ptr(), table.data_ptr(), positions.data_ptr(), T, x.stride(0), heads, D,
+                   None if slots is None else slots.data_ptr(), None if slot_ids is None else slot_ids.data_ptr(),
+                   hkv, k_base, v_off)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, -1) for float32 [B, N] without NaN."""
@@ -208,6 +247,12 @@ def paged_decode() -> PagedDecode | None:
 def paged_prefill() -> PagedPrefill | None:
     lib = native_library()
     return PagedPrefill(lib) if lib is not None and lib.paged_prefill_available() else None
+
+
+@lru_cache(maxsize=1)
+def gemm() -> Gemm | None:
+    lib = native_library()
+    return Gemm(lib) if lib is not None and lib.gemm_bf16_available() else None
 
 
 @lru_cache(maxsize=1)

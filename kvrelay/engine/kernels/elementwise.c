@@ -55,9 +55,13 @@ DEFINE_ELEMENTWISE(f32, float, F32_LOAD, F32_STORE, F32_ROUNDTRIP)
 /* Neox (rotate-half) RoPE in place on the first `heads` heads of each row of x
  * [rows][row_stride] (bfloat16), with the cos/sin of position pos[r] from table
  * [positions][2][dim] (float32). Rounds where the unfused bf16 ops round (cos and sin to
- * bf16, x * cos to bf16, then x * cos + rotate_half(x) * sin once), so it matches them. */
+ * bf16, x * cos to bf16, then x * cos + rotate_half(x) * sin once), so it matches them.
+ * With `slots` (the KV pool as [slot][dim] rows): row r's kv heads h < hkv, which are the
+ * last hkv of the rotated heads (keys) and the hkv after them (values), are also copied
+ * to slots[slot_ids[r * hkv + h] + k_base] and [... + k_base + v_off]. */
 void rope_bf16(uint16_t *x, const float *table, const int64_t *pos, int64_t rows, int64_t row_stride,
-               int64_t heads, int64_t dim) {
+               int64_t heads, int64_t dim, uint16_t *slots, const int64_t *slot_ids, int64_t hkv,
+               int64_t k_base, int64_t v_off) {
     const int64_t half = dim / 2;
     _Pragma("omp parallel for schedule(static) if(rows * heads * dim >= 65536)")
     for (int64_t r = 0; r < rows; ++r) {
@@ -67,12 +71,20 @@ void rope_bf16(uint16_t *x, const float *table, const int64_t *pos, int64_t rows
             c[d] = BF16_ROUNDTRIP(cs[d]);
             s[d] = BF16_ROUNDTRIP(cs[dim + d]);
         }
+        uint16_t *row = x + r * row_stride;
         for (int64_t h = 0; h < heads; ++h) {
-            uint16_t *v = x + r * row_stride + h * dim;
+            uint16_t *v = row + h * dim;
             for (int64_t d = 0; d < half; ++d) {
                 const float a = bf16_load(v + d), b = bf16_load(v + d + half);
                 v[d] = bf16_round(BF16_ROUNDTRIP(a * c[d]) - b * s[d]);
                 v[d + half] = bf16_round(BF16_ROUNDTRIP(b * c[d + half]) + a * s[d + half]);
+            }
+        }
+        if (slots) {
+            for (int64_t h = 0; h < hkv; ++h) {
+                const int64_t slot = slot_ids[r * hkv + h] + k_base;
+                memcpy(slots + slot * dim, row + (heads - hkv + h) * dim, (size_t)dim * sizeof(uint16_t));
+                memcpy(slots + (slot + v_off) * dim, row + (heads + h) * dim, (size_t)dim * sizeof(uint16_t));
             }
         }
     }

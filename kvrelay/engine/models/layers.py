@@ -11,64 +11,7 @@ from torch import nn
 
 from kvrelay.engine.forward import ForwardBatch
 from kvrelay.engine.kernels import PagedDecode, PagedPrefill, elementwise, paged_decode, paged_prefill
-
-
-# oneDNN weight packing: the packed layout serves every row count; 32 is only its tuning hint.
-_PACK_HINT_ROWS = 32
-
-
-def _packable(w: torch.Tensor) -> bool:
-    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and torch.backends.mkldnn.is_available()
-
-
-def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                packed: torch.Tensor | None) -> torch.Tensor:
-    """F.linear, faster on CPU in bfloat16. Measured here (2 cores, 576x3072): one row runs
-    2x faster on torch's native GEMV than through oneDNN, and 2 or more rows run 1.3-2x
-    faster on oneDNN with the weight pre-packed than on the plain weight."""
-    if packed is None:
-        return F.linear(x, weight, bias)
-    if x.shape[0] == 1:
-        torch._C._set_mkldnn_enabled(False)  # only the engine thread runs torch
-        try:
-            return F.linear(x, weight, bias)
-        finally:
-            torch._C._set_mkldnn_enabled(True)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-REFINE_TOP = 8
-
-
-def lm_head_logits(h: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-    """float32 logits [B, vocab]. A bfloat16 matmul rounds its output to bfloat16, 1/8 apart
-    at |logit| ~ 25, which makes near-ties between the best tokens (seen: "The" vs "L" at
-    the start of the default model's answer). The REFINE_TOP best are recomputed with a
-    float32 dot product, so greedy picks what full-precision accumulation would."""
-    logits = fast_linear(h, weight, None, packed).float()
-    if h.dtype == torch.float32:
-        return logits
-    ew = elementwise()
-    k = min(REFINE_TOP, logits.shape[-1])
-    top = ew.topk_indices(logits, k) if ew is not None else logits.topk(k, dim=-1).indices  # [B, k]
-    exact = torch.einsum("bd,bkd->bk", h.float(), weight[top].float())
-    return logits.scatter_(1, top, exact)
-
-
-def pack_weight(w: torch.Tensor) -> torch.Tensor | None:
-    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_HINT_ROWS) if _packable(w) else None
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose forward is `fast_linear`; `prepare()` packs the loaded weight."""
-
-    packed: torch.Tensor | None = None
-
-    def prepare(self) -> None:
-        self.packed = pack_weight(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fast_linear(x, self.weight, self.bias, self.packed)
+from kvrelay.engine.models.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -149,15 +92,21 @@ class RotaryEmbedding(nn.Module):
         return cs[:, 0:1], cs[:, 1:2]
 
 
-def rope_in_place(qkv: torch.Tensor, heads: int, meta: "AttnMeta") -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate the first `heads` heads of qkv [T, H, D] (the queries, then the keys) and
-    return them; in place, natively, for bfloat16 on CPU."""
+def rope_and_store(qkv: torch.Tensor, hq: int, hkv: int, meta: "AttnMeta", kv,
+                   layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [T, hq + 2 * hkv, D] -> (q, k, v) with RoPE applied to q and k, and this pass's
+    k and v stored in the pool at meta.write_slots of `layer`. For bfloat16 on CPU it is
+    one native pass, in place (q and k are views of qkv)."""
     ew = elementwise()
-    if (ew is not None and qkv.dtype == torch.bfloat16 and qkv.device.type == "cpu"
-            and qkv.shape[-1] <= ew.MAX_ROPE_DIM):
-        ew.rope_(qkv, heads, meta.rope_table, meta.batch.positions)
-        return qkv[:, :heads]
-    return apply_rope(qkv[:, :heads], meta.cos, meta.sin)
+    if (ew is not None and qkv.dtype == torch.bfloat16 and kv.data.dtype == torch.bfloat16
+            and qkv.device.type == "cpu" and qkv.shape[-1] <= ew.MAX_ROPE_DIM):
+        slots, k_base, v_off = kv.store_target(layer)
+        ew.rope_(qkv, hq + hkv, meta.rope_table, meta.batch.positions, (slots, meta.write_slots, hkv, k_base, v_off))
+        return qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    q, k = apply_rope(qkv[:, :hq + hkv], meta.cos, meta.sin).split([hq, hkv], dim=1)
+    v = qkv[:, hq + hkv:]
+    kv.write(layer, meta.write_slots, k, v)
+    return q, k, v
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -241,10 +190,9 @@ class PagedAttention(nn.Module):
         self.layer = layer
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta, kv) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] (RoPE applied) -> [T, Hq * D]."""
+        """q [T, Hq, D], k/v [T, Hkv, D] (RoPE applied, already stored in the pool by
+        `rope_and_store`, so this pass's tokens see their own keys) -> [T, Hq * D]."""
         b = meta.batch
-        # Written before the read, so this pass's tokens see their own keys.
-        kv.write(self.layer, meta.write_slots, k, v)
         if meta.native is not None:  # decode: q rows are already one per sequence
             out = meta.native(kv.data, b.page_table, meta.kv_lens, q.to(kv.data.dtype), self.layer,
                               self.num_kv_heads, kv.layout.page_size, self.head_dim ** -0.5)

@@ -12,8 +12,8 @@ from torch import nn
 
 from kvrelay.engine.forward import ForwardBatch
 from kvrelay.engine.models.base import MODELS, ArchConfig, CausalLM, ModelLoadError
-from kvrelay.engine.models.layers import (AttnMeta, Linear, PagedAttention, RMSNorm, RotaryEmbedding, SwiGLU,
-                                          lm_head_logits, pack_weight, rope_in_place)
+from kvrelay.engine.models.layers import AttnMeta, PagedAttention, RMSNorm, RotaryEmbedding, SwiGLU, rope_and_store
+from kvrelay.engine.models.linear import Linear, PackedWeight, lm_head_logits, pack_weight
 
 # Checkpoint entries that hold no weight of ours.
 _IGNORED = ("rotary_emb.inv_freq",)
@@ -29,9 +29,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttnMeta, kv) -> torch.Tensor:
         qkv = self.qkv_proj(x).view(-1, self.hq + 2 * self.hkv, self.d)
-        qk = rope_in_place(qkv, self.hq + self.hkv, meta)  # q and k rotate together
-        q, k = qk.split([self.hq, self.hkv], dim=1)
-        return self.o_proj(self.attn(q, k, qkv[:, self.hq + self.hkv:], meta, kv))
+        q, k, v = rope_and_store(qkv, self.hq, self.hkv, meta, kv, self.attn.layer)
+        return self.o_proj(self.attn(q, k, v, meta, kv))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -74,7 +73,7 @@ class LlamaForCausalLM(CausalLM):
         # Tied: the head reads embed_tokens.weight, so no second parameter can drift from it.
         self.lm_head = (None if arch.tie_word_embeddings
                         else Linear(arch.hidden_size, arch.vocab_size, bias=False))
-        self._head_packed: torch.Tensor | None = None
+        self._head_packed: PackedWeight | None = None
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
                                       arch.rope_scaling)
 
