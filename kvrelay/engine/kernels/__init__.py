@@ -19,7 +19,7 @@ import torch
 
 log = logging.getLogger("kvrelay.kernels")
 SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "elementwise.c", "gemm_bf16.c")]
-HEADERS = [Path(__file__).with_name(n) for n in ("bf16.h", "paged_attention_avx512.h")]
+HEADERS = [Path(__file__).with_name(n) for n in ("bf16.h", "paged_attention_avx512.h", "prefill_attention_avx512.h")]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-fopenmp"]
 _I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 

@@ -17,6 +17,7 @@
 
 #include "bf16.h"
 #include "paged_attention_avx512.h"
+#include "prefill_attention_avx512.h"
 
 #define MAX_GROUP 16
 

@@ -1,0 +1,165 @@
+/* The bfloat16 prefill-attention work item for CPUs with AVX-512 BF16 (paged_attention.c
+ * holds the pool layout and the entry point). One item is one (sequence, kv head); its
+ * keys and values are read from the pool once and re-laid out for vdpbf16ps:
+ *   kt: keys transposed per 16-key block, kt[block][dim pair][key] (one 32-bit pair of
+ *       dims per lane), so 16 scores come from D/2 dot-product steps with no reduction;
+ *   vp: values interleaved per key pair, vp[key pair][dim][key % 2], so each step adds
+ *       two keys' contributions; each probability goes in as two bfloat16 parts (hi + lo),
+ *       which keeps it to about 16 bits.
+ * Query row i of the item's q_len sees keys [0, n - q_len + i]. Scores and softmax are
+ * float32. Needs the helpers of paged_attention_avx512.h.
+ */
+#ifndef KVRELAY_PREFILL_ATTENTION_AVX512_H
+#define KVRELAY_PREFILL_ATTENTION_AVX512_H
+#ifdef KVRELAY_FAST_DECODE
+
+/* Scores of one query head against `blocks` 16-key blocks of kt, times scale, into s. */
+static inline __attribute__((always_inline)) void kt_scores(const uint32_t *kt, int64_t blocks, const uint16_t *q,
+                                                            int pairs, float scale, float *s) {
+    const uint32_t *qp = (const uint32_t *)q;
+    int64_t b = 0;
+    /* Eight independent accumulators: vdpbf16ps has a latency of several cycles. */
+    for (; b + 8 <= blocks; b += 8) {
+        __m512 a[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) a[j] = _mm512_setzero_ps();
+        const uint32_t *k = kt + b * pairs * 16;
+        for (int p = 0; p < pairs; ++p) {
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)qp[p]);
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; ++j)
+                a[j] = _mm512_dpbf16_ps(a[j], x, (__m512bh)_mm512_loadu_si512((const void *)(k + (j * pairs + p) * 16)));
+        }
+        const __m512 sc = _mm512_set1_ps(scale);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) _mm512_storeu_ps(s + (b + j) * 16, _mm512_mul_ps(a[j], sc));
+    }
+    if (b < blocks) {  /* the last 1-7 blocks, still as independent chains */
+        const int r = (int)(blocks - b);
+        __m512 a[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) a[j] = _mm512_setzero_ps();
+        const uint32_t *k = kt + b * pairs * 16;
+        for (int p = 0; p < pairs; ++p) {
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)qp[p]);
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; ++j)
+                if (j < r)
+                    a[j] = _mm512_dpbf16_ps(a[j], x, (__m512bh)_mm512_loadu_si512((const void *)(k + (j * pairs + p) * 16)));
+        }
+        for (int j = 0; j < r; ++j) _mm512_storeu_ps(s + (b + j) * 16, _mm512_mul_ps(a[j], _mm512_set1_ps(scale)));
+    }
+}
+
+/* Softmax of s[0, m) as bfloat16 pairs, split in two so that hi + lo carries the float32
+ * probability to about 16 bits: hi[t / 2] holds (p[t], p[t + 1]) rounded, lo the rest.
+ * (bf16 probabilities alone flip the default model's near-tie first token.) The pair past
+ * an odd m carries probability 0 for the key nobody may see. */
+static inline void softmax_to_pairs(float *s, int64_t m, uint16_t *hi, uint16_t *lo) {
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t t = 0; t < m; ++t) mx = s[t] > mx ? s[t] : mx;
+    for (int64_t t = 0; t < m; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
+    const __m512 inv = _mm512_set1_ps(1.f / sum);
+    const int64_t padded = (m + 15) & ~(int64_t)15;
+    for (int64_t t = m; t < padded; ++t) s[t] = 0.f;
+    for (int64_t t = 0; t < padded; t += 16) {
+        const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(s + t), inv);
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(p);
+        const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        _mm256_storeu_si256((__m256i *)(hi + t), h);
+        _mm256_storeu_si256((__m256i *)(lo + t), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(p, back)));
+    }
+}
+
+/* out[g][d] = sum over key pairs tp < npairs of (hi + lo)[g][tp] . vp[tp][d], for gb heads. */
+static inline __attribute__((always_inline)) void vp_values(const uint32_t *vp, int64_t npairs, const uint16_t *hi,
+                                                            const uint16_t *lo, int64_t pstride, int gb, int dv16,
+                                                            uint16_t *out, int dim) {
+    __m512 acc[4 * 8];
+#pragma GCC unroll 16
+    for (int i = 0; i < gb * dv16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t tp = 0; tp < npairs; ++tp) {
+        const uint32_t *v = vp + tp * dim;
+        __m512bh ph[4], pl[4];
+#pragma GCC unroll 4
+        for (int g = 0; g < gb; ++g) {
+            uint32_t a, b;
+            memcpy(&a, hi + g * pstride + 2 * tp, sizeof a);
+            memcpy(&b, lo + g * pstride + 2 * tp, sizeof b);
+            ph[g] = (__m512bh)_mm512_set1_epi32((int)a);
+            pl[g] = (__m512bh)_mm512_set1_epi32((int)b);
+        }
+#pragma GCC unroll 8
+        for (int c = 0; c < dv16; ++c) {
+            const __m512bh x = (__m512bh)_mm512_loadu_si512((const void *)(v + 16 * c));
+#pragma GCC unroll 4
+            for (int g = 0; g < gb; ++g)
+                acc[g * dv16 + c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[g * dv16 + c], ph[g], x), pl[g], x);
+        }
+    }
+    for (int g = 0; g < gb; ++g)
+        for (int c = 0; c < dv16; ++c)
+            _mm256_storeu_si256((__m256i *)(out + g * dim + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[g * dv16 + c]));
+}
+
+static void prefill_item(const uint16_t *pool, const int64_t *pages, int64_t n, int64_t q_len,
+                         const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t out_stride,
+                         int64_t layer, int64_t L, int64_t H, int64_t h, int64_t G, int64_t S, int dim,
+                         float scale, float *scratch) {
+    const int pairs = dim / 2;
+    const int64_t blocks = (n + 15) / 16, npad = blocks * 16;
+    const int64_t head_stride = S * dim, page_stride = L * 2 * H * head_stride;
+    uint32_t *kt = (uint32_t *)scratch;                 /* blocks * pairs * 16 */
+    uint32_t *vp = kt + npad * pairs;                   /* npad / 2 * dim */
+    float *s = (float *)(vp + npad / 2 * dim);          /* G * npad */
+    uint16_t *hi = (uint16_t *)(s + G * npad), *lo = hi + G * npad;  /* G * npad each */
+    memset(kt, 0, sizeof(uint32_t) * (size_t)(npad * pairs + npad / 2 * dim));
+    for (int64_t t = 0, i = 0; t < n; ++i) {
+        const uint16_t *kpage = pool + pages[i] * page_stride + (layer * 2 * H + h) * head_stride;
+        for (int64_t j = 0; j < S && t < n; ++j, ++t) {
+            const uint32_t *k = (const uint32_t *)(kpage + j * dim);
+            const uint16_t *v = kpage + H * head_stride + j * dim;
+            uint32_t *kb = kt + (t / 16) * pairs * 16 + t % 16;
+            for (int p = 0; p < pairs; ++p) kb[p * 16] = k[p];
+            uint16_t *vb = (uint16_t *)(vp + (t / 2) * dim) + t % 2;
+            for (int d = 0; d < dim; ++d) vb[2 * d] = v[d];
+        }
+    }
+    const int gmax = dim == 64 ? 4 : 2;  /* at most 16 accumulator registers */
+    for (int64_t i = 0; i < q_len; ++i) {
+        const int64_t m = n - q_len + i + 1, mb = (m + 15) / 16;
+        const uint16_t *qi = q + i * q_stride + h * G * dim;
+        for (int64_t g = 0; g < G; ++g) {
+            kt_scores(kt, mb, qi + g * dim, pairs, scale, s + g * npad);
+            softmax_to_pairs(s + g * npad, m, hi + g * npad, lo + g * npad);
+        }
+        uint16_t *oi = out + i * out_stride + h * G * dim;
+        const int64_t npairs = (m + 1) / 2;
+        for (int64_t g0 = 0; g0 < G; g0 += gmax) {
+            const int gb = G - g0 < gmax ? (int)(G - g0) : gmax;
+            const uint16_t *h = hi + g0 * npad, *l = lo + g0 * npad;
+            if (dim == 64) {
+                switch (gb) {
+                case 1: vp_values(vp, npairs, h, l, npad, 1, 4, oi + g0 * dim, 64); break;
+                case 2: vp_values(vp, npairs, h, l, npad, 2, 4, oi + g0 * dim, 64); break;
+                case 3: vp_values(vp, npairs, h, l, npad, 3, 4, oi + g0 * dim, 64); break;
+                default: vp_values(vp, npairs, h, l, npad, 4, 4, oi + g0 * dim, 64); break;
+                }
+            } else {
+                switch (gb) {
+                case 1: vp_values(vp, npairs, h, l, npad, 1, 8, oi + g0 * dim, 128); break;
+                default: vp_values(vp, npairs, h, l, npad, 2, 8, oi + g0 * dim, 128); break;
+                }
+            }
+        }
+    }
+}
+
+/* Floats of scratch one thread needs for items of up to `longest` keys. */
+static inline int64_t prefill_scratch_floats(int64_t G, int64_t longest, int64_t dim) {
+    const int64_t npad = (longest + 15) / 16 * 16;
+    return npad * dim / 2 + npad / 2 * dim + G * npad + G * npad + 16;
+}
+
+#endif
+#endif
