@@ -168,3 +168,5 @@ def test_native_gemm_matches_float32_matmul(M, N, K, bias):
     assert got.dtype == torch.bfloat16 and got.shape == (M, N)
     # float32 accumulation, then one rounding to bfloat16: within half a bf16 ulp (+ sum order)
     assert ((got.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-3 * K ** 0.5).all()
+    exact = g(x, g.pack(w), N, b, out_dtype=torch.float32)  # unrounded: float32 up to sum order
+    assert exact.dtype == torch.float32 and torch.allclose(exact, want, rtol=1e-5, atol=1e-4)

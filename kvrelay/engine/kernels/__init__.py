@@ -127,7 +127,7 @@ class Gemm:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._pack, self._mm = lib.gemm_pack_bf16, lib.gemm_bf16
         self._pack.restype, self._pack.argtypes = None, [_P, _I64, _I64, _P]
-        self._mm.restype, self._mm.argtypes = None, [_P, _I64, _I64, _P, _I64, _P, _P]
+        self._mm.restype, self._mm.argtypes = None, [_P, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int]
 
     def pack(self, w: torch.Tensor) -> torch.Tensor:
         assert w.dtype == torch.bfloat16 and w.dim() == 2
@@ -137,14 +137,16 @@ class Gemm:
         self._pack(w.data_ptr(), N, K, packed.data_ptr())
         return packed
 
-    def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias32: torch.Tensor | None) -> torch.Tensor:
-        assert x.dtype == torch.bfloat16 and x.dim() == 2
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias32: torch.Tensor | None,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """out_dtype float32 returns the float32 sums, never rounded to bfloat16."""
+        assert x.dtype == torch.bfloat16 and x.dim() == 2 and out_dtype in (torch.bfloat16, torch.float32)
         x = x.contiguous()
         M, K = x.shape
         assert packed.numel() == -(-n // 16) * -(-K // 2) * 32, "x does not match the packed weight"
-        out = torch.empty(M, n, dtype=torch.bfloat16)
+        out = torch.empty(M, n, dtype=out_dtype)
         self._mm(x.data_ptr(), M, K, packed.data_ptr(), n, None if bias32 is None else bias32.data_ptr(),
-                 out.data_ptr())
+                 out.data_ptr(), int(out_dtype == torch.float32))
         return out
 
 

@@ -40,7 +40,7 @@ void gemm_pack_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *packed) {
 
 static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_t K, const uint16_t *packed,
                                                        int64_t kp, int64_t b0, const float *bias, int64_t N,
-                                                       uint16_t *out, int mr, int nb) {
+                                                       void *out, int f32, int mr, int nb) {
     __m512 acc[MR_MAX * NB_MAX];
 #pragma GCC unroll 24
     for (int i = 0; i < mr * nb; ++i) acc[i] = _mm512_setzero_ps();
@@ -76,16 +76,21 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
         const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
         const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
         for (int m = 0; m < mr; ++m) {
-            const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m * nb + j], bv));
-            _mm256_mask_storeu_epi16((void *)(out + m * N + n0), mask, v);
+            const __m512 r = _mm512_add_ps(acc[m * nb + j], bv);
+            if (f32)
+                _mm512_mask_storeu_ps((float *)out + m * N + n0, mask, r);
+            else
+                _mm256_mask_storeu_epi16((uint16_t *)out + m * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(r));
         }
     }
 }
 
-#define TILE_CASE(MR, NB) tile(x + m0 * K, K, packed, kp, b0, bias, N, out + m0 * N, MR, NB)
+#define TILE_CASE(MR, NB) \
+    tile(x + m0 * K, K, packed, kp, b0, bias, N, f32 ? (void *)((float *)out + m0 * N) : (void *)((uint16_t *)out + m0 * N), \
+         f32, MR, NB)
 
 static void tile_any(const uint16_t *x, int64_t K, const uint16_t *packed, int64_t kp, int64_t b0,
-                     const float *bias, int64_t N, uint16_t *out, int64_t m0, int mr, int nb) {
+                     const float *bias, int64_t N, void *out, int f32, int64_t m0, int mr, int nb) {
     switch (nb * 16 + mr) {
 #define ROWS(NB) case NB * 16 + 1: TILE_CASE(1, NB); break; case NB * 16 + 2: TILE_CASE(2, NB); break; \
     case NB * 16 + 3: TILE_CASE(3, NB); break; case NB * 16 + 4: TILE_CASE(4, NB); break;          \
@@ -97,10 +102,11 @@ static void tile_any(const uint16_t *x, int64_t K, const uint16_t *packed, int64
     }
 }
 
-/* out [M][N] bf16 (row-major); bias float32 [N] or NULL. Column groups of NB_MAX blocks are
- * spread over torch's OpenMP team; each thread runs every row block over its columns. */
+/* out [M][N] (row-major), bfloat16 or, when f32, the float32 sums unrounded; bias float32
+ * [N] or NULL. Column groups of NB_MAX blocks are spread over torch's OpenMP team; each
+ * thread runs every row block over its columns. */
 void gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
-               const float *bias, uint16_t *out) {
+               const float *bias, void *out, int f32) {
     const int64_t kp = (K + 1) / 2, nblocks = (N + 15) / 16, groups = (nblocks + NB_MAX - 1) / NB_MAX;
     _Pragma("omp parallel for schedule(static) if(groups > 1)")
     for (int64_t g = 0; g < groups; ++g) {
@@ -108,7 +114,7 @@ void gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, 
         const int nb = (int)(nblocks - b0 < NB_MAX ? nblocks - b0 : NB_MAX);
         for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
             const int mr = (int)(M - m0 < MR_MAX ? M - m0 : MR_MAX);
-            tile_any(x, K, packed, kp, b0, bias, N, out, m0, mr, nb);
+            tile_any(x, K, packed, kp, b0, bias, N, out, f32, m0, mr, nb);
         }
     }
 }

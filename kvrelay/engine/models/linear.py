@@ -66,7 +66,10 @@ def lm_head_logits(h: torch.Tensor, weight: torch.Tensor, packed: PackedWeight |
     """float32 logits [B, vocab]. A bfloat16 matmul rounds its output to bfloat16, 1/8 apart
     at |logit| ~ 25, which makes near-ties between the best tokens (seen: "The" vs "L" at
     the start of the default model's answer). The REFINE_TOP best are recomputed with a
-    float32 dot product, so greedy picks what full-precision accumulation would."""
+    float32 dot product, so greedy picks what full-precision accumulation would. The native
+    kernel returns its float32 sums unrounded, which needs no refinement."""
+    if packed is not None and packed.native is not None and h.shape[0] <= GEMM_MAX_ROWS:
+        return gemm()(h, packed.native, packed.out_features, None, out_dtype=torch.float32)
     logits = fast_linear(h, weight, None, packed).float()
     if h.dtype == torch.float32:
         return logits
