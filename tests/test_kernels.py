@@ -5,6 +5,10 @@ import torch.nn.functional as F
 
 from kvrelay.engine import kernels
 
+# The bfloat16 fast paths (prefill attention, small-batch matmul) are compiled only for
+# CPUs with AVX-512 BF16, as on the project's machines; elsewhere the torch paths run.
+HAS_AVX512_BF16 = "avx512_bf16" in open("/proc/cpuinfo").read()
+
 
 def reference(pool, page_table, kv_lens, q, layer, H, S, scale):
     B, Hq, D = q.shape
@@ -130,7 +134,9 @@ def test_native_argmax_and_topk_match_torch():
 @pytest.mark.parametrize("S,D,G,lens", SHAPES)
 def test_native_prefill_matches_causal_attention(S, D, G, lens):
     kernel = kernels.paged_prefill()
-    assert kernel is not None, "this machine has AVX-512 BF16"
+    assert (kernel is not None) == HAS_AVX512_BF16   # the fast kernels exist exactly there
+    if kernel is None:
+        return
     gen = torch.Generator().manual_seed(4)
     L, H, B = 3, 2, len(lens)
     max_pages = -(-max(lens) // S)
@@ -158,7 +164,9 @@ def test_native_prefill_matches_causal_attention(S, D, G, lens):
                                         (13, 100, 64, False), (128, 48, 30, True)])
 def test_native_gemm_matches_float32_matmul(M, N, K, bias):
     g = kernels.gemm()
-    assert g is not None, "this machine has AVX-512 BF16"
+    assert (g is not None) == HAS_AVX512_BF16
+    if g is None:
+        return
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
     w = torch.randn(N, K, generator=gen).to(torch.bfloat16)
