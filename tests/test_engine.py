@@ -187,3 +187,34 @@ def test_a_caller_that_leaves_while_its_add_is_queued_never_stops_the_engine(tin
     assert outs[-1].completion_tokens == 3
     assert tiny_engine._thread.is_alive()
     tiny_engine.check_idle()
+
+
+def test_an_iteration_that_raises_fails_its_requests_and_the_engine_goes_on(tiny_engine, monkeypatch):
+    """A fault outside the forward pass (here: the scheduler) ends the live request with
+    internal_error instead of killing the engine thread and pinning it forever."""
+    import asyncio
+
+    from kvrelay.engine.types import FinishReason, GenerateRequest, SamplingParams
+
+    scheduler = tiny_engine.core.scheduler
+    real = scheduler.schedule
+    calls = {"n": 0}
+
+    def flaky():  # raises once, on the first step that holds "hit"
+        if not calls["n"] and any(r.rid == "hit" for r in [*scheduler.waiting, *scheduler.running]):
+            calls["n"] += 1
+            raise RuntimeError("scheduler bug")
+        return real()
+    monkeypatch.setattr(scheduler, "schedule", flaky)
+
+    async def run(rid, n):
+        greq = GenerateRequest(rid, (1, 2, 3), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        return [o async for o in tiny_engine.generate(greq)]
+
+    hit = asyncio.run(run("hit", 8))
+    assert calls["n"] == 1
+    assert hit[-1].finish_reason is FinishReason.ERROR and "scheduler bug" in hit[-1].error
+    after = asyncio.run(run("after", 3))
+    assert after[-1].finish_reason is FinishReason.LENGTH and after[-1].completion_tokens == 3
+    assert tiny_engine._thread.is_alive()
+    tiny_engine.check_idle()

@@ -152,6 +152,9 @@ class WorkerCore(EngineCore):
     def idle_wait(self) -> float:
         return BUSY_WAIT if not self.side.idle() else IDLE_WAIT
 
+    def live_rids(self) -> list[str]:
+        return list(dict.fromkeys([*self.room_of, *super().live_rids()]))
+
     def abort_leg(self, rid: str) -> bool:
         """Abort by request id (the router's /abort). False if it is not live here."""
         if rid not in self.room_of:

@@ -118,6 +118,19 @@ class EngineCore:
             self._finish(req, reason, error)
             self._emit(req, StepOutput(rid))
 
+    def live_rids(self) -> list[str]:
+        """Every request this core still owes a final output (a worker core adds its legs)."""
+        return list(self._reqs)
+
+    def fail_all(self, error: str) -> None:
+        """After an iteration raised outside a forward pass: every live request ends now
+        with `error` (and frees its pages) rather than waiting on a loop that may raise again."""
+        for rid in self.live_rids():
+            try:
+                self.abort(rid, FinishReason.ERROR, error)
+            except Exception:  # one broken request must not keep the others pinned
+                log.exception("failing request %s after an engine error failed too", rid)
+
     @property
     def has_work(self) -> bool:
         """A forward pass is due: the loop runs `step()` without waiting."""

@@ -63,9 +63,17 @@ class AsyncEngine(EngineClient):
         self._loop()
 
     def _loop(self) -> None:
+        """Invariant: nothing a request or a command does ends this loop. An iteration that
+        raises (a forward pass failing is already handled inside `step`) fails every live
+        request with internal_error, so none waits on a loop that may keep failing."""
         while not self._stop.is_set():
-            self._drain(block=not self.core.has_work)
-            self.core.step()  # also when idle: a worker core's lifecycle steps every iteration
+            try:
+                self._drain(block=not self.core.has_work)
+                self.core.step()  # also when idle: a worker core's lifecycle steps every iteration
+            except Exception as exc:
+                log.exception("engine iteration failed")
+                self.core.fail_all(f"internal_error: {exc}")
+                self._stop.wait(self._idle_wait)  # a persistent fault logs at most 1/idle_wait per second
 
     def _drain(self, block: bool) -> None:
         try:
