@@ -106,13 +106,18 @@ static inline __attribute__((always_inline)) void prefetch_rows(const uint16_t *
     }
 }
 
-/* One (sequence, kv head) item; `scratch` holds G * (n + 16) floats, then 2n row pointers. */
+/* Floats per query head's scores: n plus a block, a whole number of 64-byte lines, so
+ * the row pointers after G of them stay aligned. */
+static inline int64_t score_stride(int64_t n) { return (n + 31) / 16 * 16; }
+
+/* One (sequence, kv head) item; `scratch` holds G * score_stride(n) floats, then 2n row
+ * pointers. */
 static inline __attribute__((always_inline)) void fast_item(const uint16_t *pool, const int64_t *pages, int64_t n,
                                                             const uint16_t *q, uint16_t *out, int64_t layer,
                                                             int64_t L, int64_t H, int64_t h, int64_t G, int64_t S,
                                                             int dim, float scale, float *scratch) {
     const int dv = dim / 32;
-    const int64_t head_stride = S * dim, page_stride = L * 2 * H * head_stride, pstride = n + 16;
+    const int64_t head_stride = S * dim, page_stride = L * 2 * H * head_stride, pstride = score_stride(n);
     float *scores = scratch;
     const uint16_t **krows = (const uint16_t **)(scratch + G * pstride), **vrows = krows + n;
     for (int64_t t = 0, i = 0; t < n; ++i) {
@@ -159,7 +164,7 @@ static inline __attribute__((always_inline)) void fast_item(const uint16_t *pool
 
 /* Scratch floats one thread needs for items of up to `longest` keys. */
 static inline int64_t fast_scratch_floats(int64_t G, int64_t longest) {
-    return G * (longest + 16) + 2 * longest * (int64_t)(sizeof(void *) / sizeof(float));
+    return G * score_stride(longest) + 2 * longest * (int64_t)(sizeof(void *) / sizeof(float));
 }
 
 #endif
