@@ -53,10 +53,11 @@ class KVPool:
 
     def write(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, H, D] at `slot_ids` (from `slot_ids()`) of `layer`."""
-        H, S, D = self.layout.num_kv_heads, self.layout.page_size, self.layout.head_dim
-        k_slots = slot_ids + layer * 2 * H * S
-        self._slots.index_copy_(0, k_slots, k.reshape(-1, D).to(self._slots.dtype))
-        self._slots.index_copy_(0, k_slots + H * S, v.reshape(-1, D).to(self._slots.dtype))
+        slots, k_base, v_off = self.store_target(layer)
+        D = self.layout.head_dim
+        k_slots = slot_ids + k_base
+        slots.index_copy_(0, k_slots, k.reshape(-1, D).to(slots.dtype))
+        slots.index_copy_(0, k_slots + v_off, v.reshape(-1, D).to(slots.dtype))
 
     def store_target(self, layer: int) -> tuple[torch.Tensor, int, int]:
         """For a writer that stores K/V itself with `write`'s addressing: (the pool as slot

@@ -36,6 +36,14 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
 }
 
+/* s[t] <- exp(s[t] - max s) for t < n; returns their sum (softmax before the division). */
+static inline float exp_shifted(float *s, int64_t n) {
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) mx = s[t] > mx ? s[t] : mx;
+    for (int64_t t = 0; t < n; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
+    return sum;
+}
+
 /* scores[t0 + j] = q . key[j] * scale for the `cnt` (<= 16) keys at rows[0..cnt). */
 static inline __attribute__((always_inline)) void score16(const uint16_t *const *rows, int cnt, const __m512bh *q,
                                                           int dv, float scale, float *scores) {
@@ -130,14 +138,12 @@ static inline __attribute__((always_inline)) void fast_item(const uint16_t *pool
     for (int64_t g = 0; g < G; ++g) {
         __m512bh qg[4];
         for (int c = 0; c < dv; ++c) qg[c] = (__m512bh)_mm512_loadu_si512((const void *)(q + g * dim + 32 * c));
-        float *sg = scores + g * pstride, m = -INFINITY, sum = 0.f;
+        float *sg = scores + g * pstride;
         for (int64_t t = 0; t < n; t += 16) {
             if (g == 0) prefetch_rows(krows, vrows, t, n, dim);
             score16(krows + t, n - t < 16 ? (int)(n - t) : 16, qg, dv, scale, sg + t);
         }
-        for (int64_t t = 0; t < n; ++t) m = sg[t] > m ? sg[t] : m;
-        for (int64_t t = 0; t < n; ++t) { sg[t] = expf(sg[t] - m); sum += sg[t]; }
-        const float inv = 1.f / sum;
+        const float inv = 1.f / exp_shifted(sg, n);
         for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
     }
     float acc[FAST_GB * 128];

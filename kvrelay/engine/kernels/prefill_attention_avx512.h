@@ -13,42 +13,32 @@
 #define KVRELAY_PREFILL_ATTENTION_AVX512_H
 #ifdef KVRELAY_FAST_DECODE
 
+/* Scores of one query head against r (<= 8) 16-key blocks of kt starting at block b, times
+ * scale, into s: r independent accumulators (vdpbf16ps has a latency of several cycles). */
+static inline __attribute__((always_inline)) void kt_group(const uint32_t *kt, int64_t b, int r, const uint32_t *qp,
+                                                           int pairs, float scale, float *s) {
+    __m512 a[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) a[j] = _mm512_setzero_ps();
+    const uint32_t *k = kt + b * pairs * 16;
+    for (int p = 0; p < pairs; ++p) {
+        const __m512bh x = (__m512bh)_mm512_set1_epi32((int)qp[p]);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j)
+            if (j < r)
+                a[j] = _mm512_dpbf16_ps(a[j], x, (__m512bh)_mm512_loadu_si512((const void *)(k + (j * pairs + p) * 16)));
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int j = 0; j < r; ++j) _mm512_storeu_ps(s + (b + j) * 16, _mm512_mul_ps(a[j], sc));
+}
+
 /* Scores of one query head against `blocks` 16-key blocks of kt, times scale, into s. */
 static inline __attribute__((always_inline)) void kt_scores(const uint32_t *kt, int64_t blocks, const uint16_t *q,
                                                             int pairs, float scale, float *s) {
     const uint32_t *qp = (const uint32_t *)q;
     int64_t b = 0;
-    /* Eight independent accumulators: vdpbf16ps has a latency of several cycles. */
-    for (; b + 8 <= blocks; b += 8) {
-        __m512 a[8];
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) a[j] = _mm512_setzero_ps();
-        const uint32_t *k = kt + b * pairs * 16;
-        for (int p = 0; p < pairs; ++p) {
-            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)qp[p]);
-#pragma GCC unroll 8
-            for (int j = 0; j < 8; ++j)
-                a[j] = _mm512_dpbf16_ps(a[j], x, (__m512bh)_mm512_loadu_si512((const void *)(k + (j * pairs + p) * 16)));
-        }
-        const __m512 sc = _mm512_set1_ps(scale);
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) _mm512_storeu_ps(s + (b + j) * 16, _mm512_mul_ps(a[j], sc));
-    }
-    if (b < blocks) {  /* the last 1-7 blocks, still as independent chains */
-        const int r = (int)(blocks - b);
-        __m512 a[8];
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) a[j] = _mm512_setzero_ps();
-        const uint32_t *k = kt + b * pairs * 16;
-        for (int p = 0; p < pairs; ++p) {
-            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)qp[p]);
-#pragma GCC unroll 8
-            for (int j = 0; j < 8; ++j)
-                if (j < r)
-                    a[j] = _mm512_dpbf16_ps(a[j], x, (__m512bh)_mm512_loadu_si512((const void *)(k + (j * pairs + p) * 16)));
-        }
-        for (int j = 0; j < r; ++j) _mm512_storeu_ps(s + (b + j) * 16, _mm512_mul_ps(a[j], _mm512_set1_ps(scale)));
-    }
+    for (; b + 8 <= blocks; b += 8) kt_group(kt, b, 8, qp, pairs, scale, s);  /* r constant: no guards */
+    if (b < blocks) kt_group(kt, b, (int)(blocks - b), qp, pairs, scale, s);
 }
 
 /* Softmax of s[0, m) as bfloat16 pairs, split in two so that hi + lo carries the float32
@@ -56,10 +46,7 @@ static inline __attribute__((always_inline)) void kt_scores(const uint32_t *kt, 
  * (bf16 probabilities alone flip the default model's near-tie first token.) The pair past
  * an odd m carries probability 0 for the key nobody may see. */
 static inline void softmax_to_pairs(float *s, int64_t m, uint16_t *hi, uint16_t *lo) {
-    float mx = -INFINITY, sum = 0.f;
-    for (int64_t t = 0; t < m; ++t) mx = s[t] > mx ? s[t] : mx;
-    for (int64_t t = 0; t < m; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
-    const __m512 inv = _mm512_set1_ps(1.f / sum);
+    const __m512 inv = _mm512_set1_ps(1.f / exp_shifted(s, m));
     const int64_t padded = (m + 15) & ~(int64_t)15;
     for (int64_t t = m; t < padded; ++t) s[t] = 0.f;
     for (int64_t t = 0; t < padded; t += 16) {
