@@ -21,6 +21,10 @@ LIFECYCLE_FLAGS = ("--heartbeat-interval", "0.5", "--heartbeat-misses", "3", "--
                    "--queue-timeout", "60", "--waiting-timeout", "60", "--transfer-timeout", "60",
                    "--quarantine-grace", "1")
 LEASE = 0.5 * 3
+# The router holds each worker under a lease of its own: no good health check for
+# --health-interval x --health-misses seconds and every leg open there fails.
+HEALTH_INTERVAL, HEALTH_MISSES = 0.5, 3
+ROUTER_LEASE = HEALTH_INTERVAL * HEALTH_MISSES
 
 
 class Proc:
@@ -77,7 +81,8 @@ class Cluster:
         self.prefill = [Proc(f"prefill-{i}", ["prefill", *worker], free_port(), self.dir) for i in range(num_prefill)]
         self.decode = [Proc(f"decode-{i}", ["decode", *worker], free_port(), self.dir) for i in range(num_decode)]
         router = ["router", *model_args, "--prefill", *[p.url for p in self.prefill],
-                  "--decode", *[d.url for d in self.decode], "--health-interval", "0.5", "--health-timeout", "1",
+                  "--decode", *[d.url for d in self.decode], "--health-interval", str(HEALTH_INTERVAL),
+                  "--health-misses", str(HEALTH_MISSES), "--health-timeout", "1",
                   "--request-timeout", "120"]
         self.router = Proc("router", router, free_port(), self.dir)
 

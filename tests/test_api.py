@@ -363,7 +363,9 @@ async def test_failure_mid_stream_sends_error_event_then_done(app, tiny_engine, 
             assert set(err) == ERROR_KEYS and err["code"] == "timeout:transfer" and "no ack" in err["message"]
             assert all("choices" in ev for ev in evs[:-2]) and len(evs) >= 4
             whole = await c.post(path, json={**ok, "max_tokens": 10, "ignore_eos": True})
-            assert assert_error(whole, 500, None)["code"] == "timeout:transfer"
+            # A worker phase's deadline is no bug: retryable, and the client is told when.
+            assert assert_error(whole, 503, None)["code"] == "timeout:transfer"
+            assert whole.headers["retry-after"] == "1"
     tiny_engine.check_idle()
 
 
@@ -463,4 +465,23 @@ async def test_extra_routes_are_mounted(tiny_engine):
         assert (await c.get("/debug/requests")).json() == {"requests": []}
         assert (await c.get("/metrics")).text == "kvrelay_up 1\n"
         assert (await c.post(C, json=OK_C)).status_code == 200
+    tiny_engine.check_idle()
+
+
+@pytest.mark.parametrize("code,status", [
+    ("invalid_request", 400), ("peer_failed", 503), ("transfer_error", 503), ("overloaded", 503),
+    ("no_healthy_worker", 503), ("aborted", 503), ("timeout:bootstrap", 503), ("timeout:queued", 503),
+    ("timeout:waiting", 503), ("timeout:transfer", 503), ("timeout:request", 504), ("timeout:decode", 504),
+    ("internal_error", 500), ("something_unknown", 500)])
+async def test_a_failed_request_gets_the_status_of_its_reason(app, tiny_engine, monkeypatch, code, status):
+    """Retryable failures (a worker died, a transfer failed, a phase deadline before any
+    token) are 503 with Retry-After; an invalid request is a 400; a deadline over the
+    whole request is a 504; only a bug is a 500. The code is in the error body."""
+    monkeypatch.setattr(tiny_engine, "generate", fail_after(tiny_engine, 0, f"{code}: what happened"))
+    async with api(app) as c:
+        for stream in (False, True):
+            r = await c.post(C, json={**OK_C, "stream": stream})
+            err = assert_error(r, status, None)
+            assert err["code"] == code and err["message"] == f"{code}: what happened"
+            assert r.headers.get("retry-after") == ("1" if status == 503 else None)
     tiny_engine.check_idle()

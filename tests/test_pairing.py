@@ -136,3 +136,32 @@ def test_a_worker_table_needs_each_role_and_distinct_urls():
         WorkerTable((P1,), (P1,), SimClock())
     t = WorkerTable((P1,), (D1,), SimClock())
     assert not t.up("prefill") and not t.up("decode")   # nobody is up before a good check
+
+
+def test_a_worker_silent_for_the_lease_dies_once_and_a_good_check_starts_a_new_lease():
+    clock = SimClock()
+    t = table(prefill=(P1,), decode=(D1, D2), clock=clock)
+    clock.advance(2.9)
+    t.mark_ok(D2, health("decode"))
+    assert t.expire_leases(3.0) == []            # 2.9 s of silence: still within the lease
+    clock.advance(0.1)
+    died = t.expire_leases(3.0)
+    assert sorted(w.url for w in died) == [D1, P1]
+    assert all(w.dead and not w.up and "lease 3 s" in w.last_error for w in died)
+    assert t.get(D2).up and not t.get(D2).dead
+    clock.advance(10)
+    assert [w.url for w in t.expire_leases(3.0)] == [D2]   # each death is reported once
+    assert t.expire_leases(3.0) == []
+    assert isinstance(t.pick_pair(), NoPair)
+    assert t.mark_ok(D1, health("decode")) is Change.REJOINED
+    assert t.get(D1).up and not t.get(D1).dead
+    clock.advance(3.0)
+    assert [w.url for w in t.expire_leases(3.0)] == [D1]    # the new lease ends like the first
+
+
+def test_a_worker_never_checked_holds_no_lease():
+    clock = SimClock()
+    t = WorkerTable((P1,), (D1,), clock)
+    clock.advance(100)
+    assert t.expire_leases(1.0) == []
+    assert [row["last_ok_s"] for row in t.rows()] == [None, None]

@@ -373,16 +373,16 @@ def test_a_failed_prefill_leg_is_retried_once_on_another_pair(cluster):
 
 def test_when_every_pair_fails_the_client_gets_the_error_with_its_reason(cluster):
     """Both prefill workers fail their KV writes: one try on each (the retry goes to the
-    other pair), then a 500 whose message names transfer_error."""
+    other pair), then a 503 (retryable) whose message names transfer_error."""
     router, (p0, p1) = cluster.router, cluster.prefill
     ledger, mark = Ledger([router, *cluster.workers]), LogMark(router)
     cluster.set_faults([p0, p1], "fail_transfer=1")
     r = complete(router.url, body("no pair can serve this"))
-    assert r.status_code == 500, r.text
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
     err = r.json()["error"]
     # The decode worker hears of P's failure and may report it first: "peer_failed: prefill: transfer_error".
     assert err["code"] in ("transfer_error", "peer_failed") and err["message"].startswith(err["code"] + ": ")
-    assert "transfer_error" in err["message"] and err["type"] == "server_error"
+    assert "transfer_error" in err["message"] and err["type"] == "overloaded_error"
     rid = mark.lines("request dispatched")[0].split("rid=")[1].split()[0]
     (ended,) = mark.lines("request finished", f"rid={rid} ")
     assert f"outcome=failed reason={err['code']} attempts=2 " in ended

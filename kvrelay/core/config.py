@@ -97,12 +97,20 @@ class RouterConfig:
     max_queued_requests: int = _f(256, "requests the router holds at once; beyond it new ones get 503")
     health_interval: float = _f(1.0, "seconds between health checks of each worker")
     health_timeout: float = _f(2.0, "a health check slower than this counts as failed, seconds")
+    health_misses: int = _f(3, "a worker that answered no health check for --health-interval x this many "
+                            "seconds is dead: every leg the router has open on it fails (peer_failed)")
 
     def __post_init__(self) -> None:
         _require(self.request_timeout > 0, "--request-timeout must be positive")
         _require(self.max_queued_requests >= 1, "--max-queued-requests must be at least 1")
         _require(self.health_interval > 0, "--health-interval must be positive")
         _require(self.health_timeout > 0, "--health-timeout must be positive")
+        _require(self.health_misses >= 1, "--health-misses must be at least 1")
+
+    @property
+    def health_lease(self) -> float:
+        """Seconds without a good health check after which a worker is dead."""
+        return self.health_interval * self.health_misses
 
 
 @dataclass(frozen=True)

@@ -143,6 +143,8 @@ class WorkerCore(EngineCore):
         target = tokens / seconds * self.lifecycle_cfg.heartbeat_interval * STEP_SHARE
         budget = 0.5 * self.scheduler.prefill_budget + 0.5 * target   # smooth: one noisy step moves it half way
         self.scheduler.prefill_budget = int(min(self._cap, max(self.layout.page_size, budget)))
+        log.debug("prefill step", extra={"tokens": tokens, "seconds": round(seconds, 4),
+                                         "next_budget": self.scheduler.prefill_budget})
 
     @property
     def busy(self) -> bool:

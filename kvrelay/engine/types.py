@@ -38,6 +38,9 @@ class GenerateRequest:
     rid: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
+    # The consumer shows the client nothing before the final output (a non-streamed
+    # response), so an EngineClient may restart the request from scratch after a failure.
+    whole: bool = False
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,26 @@ log = logging.getLogger("kvrelay.server")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error"}
 
-# Reason code at the head of a failed request's `StepOutput.error` -> HTTP status.
-_REASON_STATUS = {"invalid_request": 400, "overloaded": 503}
+# A request that failed for a reason in the serving system (a worker died, a transfer
+# failed, a phase deadline passed before any token, no capacity) is worth retrying:
+# 503 + Retry-After. An invalid request is a 400. A deadline that covers the whole
+# request is a 504. Only a bug in kvrelay (`internal_error`, or a code this table does
+# not know) is a 500. docs/operations.md documents the same table.
+RETRY_AFTER_S = 1
+_REASON_STATUS = {"invalid_request": 400, "context_length_exceeded": 400,
+                  "overloaded": 503, "no_healthy_worker": 503, "peer_failed": 503, "transfer_error": 503,
+                  "aborted": 503, "timeout:request": 504, "timeout:decode": 504, "internal_error": 500}
+
+
+def reason_status(code: str) -> int:
+    """The HTTP status of a request that ended with reason `code`."""
+    if code in _REASON_STATUS:
+        return _REASON_STATUS[code]
+    return 503 if code.startswith("timeout:") else 500   # a worker phase's backstop (before decode)
+
+
+def retry_headers(status: int) -> dict[str, str] | None:
+    return {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
 
 
 class OpenAIError(Exception):
@@ -67,7 +85,8 @@ def from_failed_output(error: str | None) -> OpenAIError:
     "<reason code>: <message>" (e.g. "timeout:queued: ..."), or a bare reason code."""
     text = error or "internal_error: the request failed"
     code = text.split(": ", 1)[0].strip() or "internal_error"
-    return OpenAIError(_REASON_STATUS.get(code, 500), text, None, code)
+    status = reason_status(code)
+    return OpenAIError(status, text, None, code, retry_headers(status))
 
 
 def from_rejected(exc: RequestRejected) -> OpenAIError:

@@ -75,7 +75,8 @@ class OpenAIServing:
         prompt = body.single_prompt()
         ids = self.tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = self._max_tokens(body.max_tokens, len(ids), COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
-        greq = GenerateRequest(f"cmpl-{uuid.uuid4().hex}", tuple(ids), body.sampling_params(max_tokens, body.logprobs))
+        greq = GenerateRequest(f"cmpl-{uuid.uuid4().hex}", tuple(ids), body.sampling_params(max_tokens, body.logprobs),
+                               whole=not body.stream)
         render = CompletionRenderer(greq.rid, self.client.model_name, self.piece, body.logprobs is not None)
         return await self._serve(greq, render, request, body.stream, body.include_usage)
 
@@ -84,7 +85,8 @@ class OpenAIServing:
         logprobs = body.engine_logprobs()
         ids = self._chat_prompt_ids(body)
         max_tokens = self._max_tokens(body.requested_max_tokens(), len(ids), None, "messages")
-        greq = GenerateRequest(f"chatcmpl-{uuid.uuid4().hex}", tuple(ids), body.sampling_params(max_tokens, logprobs))
+        greq = GenerateRequest(f"chatcmpl-{uuid.uuid4().hex}", tuple(ids), body.sampling_params(max_tokens, logprobs),
+                               whole=not body.stream)
         render = ChatRenderer(greq.rid, self.client.model_name, self.piece, logprobs is not None)
         return await self._serve(greq, render, request, body.stream, body.include_usage)
 

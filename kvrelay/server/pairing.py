@@ -7,6 +7,9 @@ Invariants:
 - Only workers marked up are candidates. A worker is up from a good health check until
   the first failure (a failed check, or a connection error while serving a request);
   one failure is enough, and the next good check brings it back ("rejoins").
+- Each worker is held under a lease: one that answered no health check for `lease`
+  seconds is dead (`expire_leases`), once per lease: the router fails every leg it has
+  open there. Only a good check starts a new lease; it never revives a failed leg.
 - `outstanding` counts the legs the router has open on a worker: `leg_started` and
   `leg_ended` come in pairs, so it is never negative and is 0 when the router is idle.
 """
@@ -28,6 +31,7 @@ class Change(enum.Enum):
     REJOINED = "rejoined"      # down, now up again, same process
     RESTARTED = "restarted"    # a new incarnation: the process was restarted
     WENT_DOWN = "went_down"    # was up, now down
+    DIED = "died"              # its lease expired: no good check for `lease` seconds
 
 
 @dataclass
@@ -40,6 +44,8 @@ class Worker:
     failures: int = 0                    # consecutive failures since the last good check
     last_error: str | None = None
     since: float = 0.0                   # clock time of the last up/down change
+    last_ok: float | None = None         # clock time of the last good check (None: never)
+    dead: bool = False                   # its lease expired; cleared by the next good check
 
     @property
     def queue_depth(self) -> int:
@@ -108,7 +114,8 @@ class WorkerTable:
     def rows(self) -> list[dict]:
         """One row per worker, for `GET /workers`."""
         now = self.clock.now()
-        return [{"url": w.url, "role": w.role, "up": w.up, "for_s": round(now - w.since, 3),
+        return [{"url": w.url, "role": w.role, "up": w.up, "dead": w.dead, "for_s": round(now - w.since, 3),
+                 "last_ok_s": None if w.last_ok is None else round(now - w.last_ok, 3),
                  "outstanding": w.outstanding, "failures": w.failures, "last_error": w.last_error,
                  "health": w.health.model_dump() if w.health else None} for w in self._workers.values()]
 
@@ -123,9 +130,10 @@ class WorkerTable:
             change = Change.RESTARTED
         elif not w.up:
             change = Change.REJOINED
+        now = self.clock.now()
         if not w.up:
-            w.up, w.since = True, self.clock.now()
-        w.health, w.failures, w.last_error = health, 0, None
+            w.up, w.since = True, now
+        w.health, w.failures, w.last_error, w.last_ok, w.dead = health, 0, None, now, False
         return change
 
     def mark_failed(self, url: str, error: str) -> Change | None:
@@ -137,6 +145,20 @@ class WorkerTable:
             return None
         w.up, w.since = False, self.clock.now()
         return Change.WENT_DOWN
+
+    def expire_leases(self, lease: float) -> list[Worker]:
+        """Workers whose lease just expired: no good check for `lease` seconds since the
+        last one. Each is marked down and dead and returned once, until a good check."""
+        now, died = self.clock.now(), []
+        for w in self._workers.values():
+            if w.dead or w.last_ok is None or now - w.last_ok < lease:
+                continue
+            w.dead = True
+            if w.up:
+                w.up, w.since = False, now
+            w.last_error = f"no good health check for {now - w.last_ok:.1f} s (lease {lease:g} s)"
+            died.append(w)
+        return died
 
     # -- legs ------------------------------------------------------------------------------
     def leg_started(self, url: str) -> None:

@@ -11,7 +11,13 @@ Invariants:
 - A try that ends for any reason stops both of its legs (`Attempt.stop`): a leg that has
   not sent its final line has its stream closed and gets `POST /abort`.
 - A failed try is retried once on another pair, only while nothing has reached the
-  client, and never for invalid requests, client aborts or an expired deadline.
+  client, and never for invalid requests, client aborts or an expired deadline. A
+  request whose client sees only the final output (`GenerateRequest.whole`) has nothing
+  reach it before then, so it may be retried mid-decode.
+- No leg outlives its worker's lease: when `WorkerMonitor` declares a worker dead, every
+  unfinished leg on it fails at once with peer_failed (`RouterClient.worker_dead`), so
+  a worker that is alive on the network but wedged inside holds no client longer than
+  --health-interval x --health-misses.
 """
 from __future__ import annotations
 
@@ -29,12 +35,13 @@ from kvrelay.core.config import KVRelayConfig, ModelOptions, RouterConfig
 from kvrelay.engine.types import EngineClient, FinishReason, GenerateRequest, RequestRejected, StepOutput
 from kvrelay.obs.logs import setup_logging
 from kvrelay.obs.metrics import ServingMetrics, Snapshot
-from kvrelay.server.errors import OpenAIError, StartupError
+from kvrelay.server.errors import OpenAIError, StartupError, retry_headers
 from kvrelay.server.observe import observability_router
 from kvrelay.server.openai_api import build_openai_app
 from kvrelay.server.pairing import NoPair, Pair, WorkerTable
 from kvrelay.server.startup import stop_on_sigterm
-from kvrelay.server.worker_client import ABORT_TIMEOUT, LegFailure, WorkerAPI, WorkerMonitor, failure_of
+from kvrelay.server.worker_client import (ABORT_TIMEOUT, PEER_FAILED, LegFailure, WorkerAPI, WorkerMonitor,
+                                          failure_of)
 from kvrelay.server.worker_protocol import LegRequest, WireSampling
 
 log = logging.getLogger("kvrelay.router")
@@ -42,7 +49,6 @@ log = logging.getLogger("kvrelay.router")
 PHASES = ("dispatched", "streaming")   # legs sent, no token yet / tokens flowing
 PREFILL, DECODE, WAKE = "prefill", "decode", "wake"
 NOT_RETRYABLE = frozenset({"invalid_request", "timeout:request"})
-RETRY_AFTER = {"Retry-After": "1"}
 PREFILL_GRACE = 5.0     # after D finished, how long P's leg may take to report done before it is aborted
 SHUTDOWN_GRACE = 30.0   # how long Ctrl-C / SIGTERM waits for streams in flight
 
@@ -64,6 +70,7 @@ class Attempt:
         self._spawn, self._on_broken = spawn, on_broken
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self._final: set[str] = set()    # sides whose final line has arrived
+        self._dead: set[str] = set()     # sides whose worker died: nothing there to abort
         self._stopped = False
         to_decode = leg.model_copy(update={"prefill_address": pair.prefill.health.transfer_address})
         self.legs = {PREFILL: (pair.prefill.url, self._start(PREFILL, pair.prefill.url, leg)),
@@ -93,6 +100,19 @@ class Attempt:
             log.exception("leg failed", extra={"rid": self.rid, "side": side, "worker": url})
             self.events.put_nowait(Event(side, error=LegFailure("internal_error", repr(exc), url)))
 
+    def fail_legs_on(self, url: str, why: str) -> bool:
+        """The worker at `url` is dead: every unfinished leg there ends now with
+        peer_failed (its task is cancelled, so nothing of it arrives later)."""
+        hit = False
+        for side, (leg_url, task) in self.legs.items():
+            if leg_url == url and side not in self._final and not self._stopped and not task.done():
+                task.cancel()
+                self._dead.add(side)
+                self.events.put_nowait(Event(side, error=LegFailure(PEER_FAILED, f"{url} is dead: {why}", url,
+                                                                    broken=True)))
+                hit = True
+        return hit
+
     def stop(self, prefill_grace: float = 0.0) -> None:
         """Idempotent. After it, nobody reads `events`. With `prefill_grace` (the decode
         leg succeeded), the prefill leg gets that long to report done on its own first."""
@@ -100,7 +120,7 @@ class Attempt:
             return
         self._stopped = True
         for side, (url, task) in self.legs.items():
-            if side in self._final:
+            if side in self._final or side in self._dead:
                 continue
             if side == PREFILL and prefill_grace > 0:
                 self._spawn(self._end_after(url, task, prefill_grace))
@@ -127,9 +147,9 @@ class Routed:
     room: int = 0
     attempt: int = 0
     current: Attempt | None = None
-    yielded: int = 0                      # outputs handed to the consumer
+    yielded: int = 0                      # outputs handed to the consumer (nothing: a retry is invisible)
     tokens: int = 0
-    first_token_at: float | None = None
+    first_token_at: float | None = None   # of the current try (TTFT is observed on the first)
     aborted: bool = False                 # by the client
     outcome: tuple[str, str] = ("aborted", "aborted")   # (outcome, reason); a consumer that leaves early aborted
 
@@ -151,6 +171,7 @@ class RouterClient(EngineClient):
         self.metrics = ServingMetrics("router", PHASES, self.snapshot)
         self._live: dict[str, Routed] = {}
         self._background: set[asyncio.Task] = set()
+        monitor.on_dead = self.worker_dead
 
     def tokenizer(self):
         return self._tokenizer
@@ -162,11 +183,16 @@ class RouterClient(EngineClient):
             pair = self._first_pair()
             while True:
                 attempt = self._dispatch(routed, request, pair)
+                held: list[StepOutput] = []   # a whole request's outputs, until its final one
                 try:
                     while True:
                         out = await self._next_output(routed, attempt)
                         self._note(routed, out)
-                        yield out
+                        if request.whole and not out.finished:
+                            held.append(out)
+                            continue
+                        routed.yielded += 1
+                        yield merged([*held, out]) if held else out
                         if out.finished:
                             return
                 except LegFailure as failure:
@@ -194,6 +220,14 @@ class RouterClient(EngineClient):
             routed.current.stop()
             routed.current.events.put_nowait(Event(WAKE))
 
+    def worker_dead(self, url: str, why: str) -> None:
+        """`WorkerMonitor` ended `url`'s lease: every leg open there fails now."""
+        failed = [r.rid for r in list(self._live.values())
+                  if r.current is not None and r.current.fail_legs_on(url, why)]
+        if failed:
+            log.warning("legs failed on a dead worker", extra={"worker": url, "requests": len(failed),
+                                                               "rids": ",".join(failed[:8])})
+
     # -- one request -----------------------------------------------------------------------
     def _admit(self, request: GenerateRequest) -> Routed:
         if len(self._live) >= self.cfg.max_queued_requests:
@@ -201,7 +235,7 @@ class RouterClient(EngineClient):
             log.warning("request finished", extra={"rid": request.rid, "outcome": "failed", "reason": "overloaded",
                                                    "live": len(self._live)})
             raise OpenAIError(503, f"the router already holds {len(self._live)} requests "
-                              "(--max-queued-requests); retry later", None, "overloaded", RETRY_AFTER)
+                              "(--max-queued-requests); retry later", None, "overloaded", retry_headers(503))
         now = self.clock.now()
         routed = Routed(request.rid, len(request.prompt_ids), arrival=now, deadline=now + self.cfg.request_timeout,
                         phase_since=now)
@@ -211,12 +245,15 @@ class RouterClient(EngineClient):
     def _first_pair(self) -> Pair:
         pair = self.table.pick_pair()
         if isinstance(pair, NoPair):
-            raise OpenAIError(503, pair.message, None, "no_healthy_worker", RETRY_AFTER)
+            raise OpenAIError(503, pair.message, None, "no_healthy_worker", retry_headers(503))
         return pair
 
     def _dispatch(self, routed: Routed, request: GenerateRequest, pair: Pair) -> Attempt:
         routed.attempt += 1
         routed.room = secrets.randbits(63) or 1   # room 0 is never valid
+        routed.tokens = 0                         # a retry starts the completion over
+        if routed.phase != "dispatched":
+            self._enter(routed, "dispatched", self.clock.now())
         # A retry may reach a worker that is still aborting the first try: new leg rid.
         rid = routed.rid if routed.attempt == 1 else f"{routed.rid}-try{routed.attempt}"
         leg = LegRequest(rid=rid, room=routed.room, prompt_ids=list(request.prompt_ids),
@@ -262,11 +299,11 @@ class RouterClient(EngineClient):
         return pair
 
     def _note(self, routed: Routed, out: StepOutput) -> None:
-        routed.yielded += 1
         now = self.clock.now()
-        if out.token_ids and routed.first_token_at is None:
+        if out.token_ids and routed.phase == "dispatched":   # this try's first token
+            if routed.first_token_at is None:
+                self.metrics.ttft.labels(self.metrics.role).observe(now - routed.arrival)
             routed.first_token_at = now
-            self.metrics.ttft.labels(self.metrics.role).observe(now - routed.arrival)
             self._enter(routed, "streaming", now)
         routed.tokens += len(out.token_ids)
         if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
@@ -327,6 +364,14 @@ class RouterClient(EngineClient):
         """Let the aborts already sent reach their workers (briefly)."""
         if self._background:
             await asyncio.wait(set(self._background), timeout=ABORT_TIMEOUT)
+
+
+def merged(outs: list[StepOutput]) -> StepOutput:
+    """One output holding a whole request's `outs` (the last one is final)."""
+    last = outs[-1]
+    return StepOutput(last.rid, token_ids=[t for o in outs for t in o.token_ids], text="".join(o.text for o in outs),
+                      logprobs=[lp for o in outs for lp in o.logprobs], prompt_tokens=last.prompt_tokens,
+                      completion_tokens=last.completion_tokens, finish_reason=last.finish_reason, error=last.error)
 
 
 # ---------------------------------------------------------------- serving

@@ -1,17 +1,18 @@
 """The router's side of the router<->worker protocol (`kvrelay.server.worker_protocol`),
 over httpx, and the health checks that keep the router's worker table current.
 
-Two connection pools: `streams` for the `POST /generate` legs (no read timeout: a leg
+Three connection pools: `streams` for the `POST /generate` legs (no read timeout: a leg
 streams for as long as its request decodes, bounded by the router's end-to-end
-deadline), and `control` for health checks, aborts and debug views, with a short
-timeout, so that a full stream pool never delays noticing a dead worker.
+deadline), `control` for aborts and debug views, and `checks` for health checks, both
+with a short timeout, so that neither a full stream pool nor aborts piling up on a
+frozen worker ever delay noticing a dead worker.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import httpx
 
@@ -73,10 +74,15 @@ class WorkerAPI:
             limits=httpx.Limits(max_connections=legs + 16, max_keepalive_connections=min(legs, 64)))
         self.control = httpx.AsyncClient(transport=transport, timeout=cfg.health_timeout,
                                          limits=httpx.Limits(max_connections=64, max_keepalive_connections=16))
+        # Health checks have a pool of their own: aborts piling up on a frozen worker must
+        # never delay the checks that keep every other worker's lease.
+        self.checks = httpx.AsyncClient(transport=transport, timeout=cfg.health_timeout,
+                                        limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
 
     async def close(self) -> None:
         await self.streams.aclose()
         await self.control.aclose()
+        await self.checks.aclose()
 
     async def generate(self, url: str, leg: LegRequest) -> AsyncIterator[StepOutput]:
         """The outputs of one leg, the last with `finish_reason` set. Raises
@@ -112,7 +118,7 @@ class WorkerAPI:
         """Raises LegFailure when the worker cannot be reached or answers anything but a
         valid WorkerHealth."""
         try:
-            resp = await self.control.get(f"{url}/health")
+            resp = await self.checks.get(f"{url}/health")
             resp.raise_for_status()
             return WorkerHealth.model_validate_json(resp.content)
         except (httpx.HTTPError, ValueError) as exc:
@@ -130,12 +136,18 @@ class WorkerAPI:
 
 
 class WorkerMonitor:
-    """Keeps the table's up/down marks current by checking every worker's /health, down
-    ones too (so they rejoin). A worker that reports the wrong role, or another model
-    than the one the router serves, stays down."""
+    """Holds every worker under a lease (`RouterConfig.health_lease`), the way P and D hold
+    each other: each worker has its own check loop, one check every --health-interval,
+    each bounded by --health-timeout, so a slow or frozen worker never delays the checks of
+    the others. A worker that has answered no check for the lease is dead: `on_dead(url,
+    why)` fails every leg open on it. Down workers are checked too, so they rejoin. A
+    worker that reports the wrong role, or another model than the router serves, stays
+    down."""
 
-    def __init__(self, table: WorkerTable, api: WorkerAPI, cfg: RouterConfig) -> None:
+    def __init__(self, table: WorkerTable, api: WorkerAPI, cfg: RouterConfig,
+                 on_dead: Callable[[str, str], None] | None = None) -> None:
         self.table, self.api, self.cfg = table, api, cfg
+        self.on_dead = on_dead
         self.model: str | None = None     # fixed by wait_ready
 
     async def check_all(self) -> None:
@@ -143,7 +155,11 @@ class WorkerMonitor:
 
     async def check(self, url: str) -> None:
         try:
-            health = await self.api.health(url)
+            async with asyncio.timeout(self.cfg.health_timeout):
+                health = await self.api.health(url)
+        except TimeoutError:
+            self.failed(url, f"no answer to GET /health within --health-timeout {self.cfg.health_timeout:g} s")
+            return
         except LegFailure as exc:
             self.failed(url, exc.detail)
             return
@@ -163,10 +179,41 @@ class WorkerMonitor:
         if self.table.mark_failed(url, error) is Change.WENT_DOWN:
             log.warning("worker down", extra={"worker": url, "role": self.table.get(url).role, "error": error})
 
+    def reap(self) -> list[str]:
+        """End the lease of every worker silent for too long; returns their URLs."""
+        dead = self.table.expire_leases(self.cfg.health_lease)
+        for w in dead:
+            log.warning("worker dead", extra={"worker": w.url, "role": w.role, "error": w.last_error,
+                                              "outstanding": w.outstanding})
+            if self.on_dead is not None:
+                self.on_dead(w.url, w.last_error or "lease expired")
+        return [w.url for w in dead]
+
     async def run(self) -> None:
+        """The check loops and the lease reaper, until cancelled."""
+        async with asyncio.TaskGroup() as group:
+            for url in self.table.urls():
+                group.create_task(self._watch(url), name=f"health-{url}")
+            group.create_task(self._reap_forever(), name="health-reaper")
+
+    async def _watch(self, url: str) -> None:
+        clock = self.table.clock
         while True:
-            await asyncio.sleep(self.cfg.health_interval)
-            await self.check_all()
+            started = clock.now()
+            try:
+                await self.check(url)
+            except Exception:  # noqa: BLE001 - a bug in one check must not end the worker's lease keeping
+                log.exception("health check failed", extra={"worker": url})
+            await asyncio.sleep(max(0.0, started + self.cfg.health_interval - clock.now()))
+
+    async def _reap_forever(self) -> None:
+        # Every quarter interval: a lease ends at most that long after it expired.
+        while True:
+            await asyncio.sleep(self.cfg.health_interval / 4)
+            try:
+                self.reap()
+            except Exception:  # noqa: BLE001 - see _watch
+                log.exception("lease reaper failed")
 
     async def wait_ready(self, timeout: float, clock: Clock) -> tuple[str, int]:
         """Wait until each role has an up worker; returns (model name, max_model_len).
