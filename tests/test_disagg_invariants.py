@@ -1,4 +1,4 @@
-"""The lifecycle promise (docs: /work/shared/design/lifecycle.md), proved on every backend:
+"""The lifecycle promise (docs/lifecycle.md), proved on every backend:
 abort everywhere, deadlines per phase, leases, lost/duplicated/late messages, no leak."""
 from __future__ import annotations
 

@@ -12,6 +12,9 @@ Invariants:
   restarted, or transfer_timeout + quarantine_grace passed since the failure). A quarantined
   room asks P again every heartbeat interval, so one lost message does not hold it.
 - The receiver is closed (its pages stop accepting bytes) before its pages are released.
+- Every heartbeat to P reports how many of P's KV pages have landed here, in all and per
+  waiting room (two-sided backends): P fails a transfer for lack of progress, never for
+  being slow.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from typing import Callable
 from kvrelay.core.clock import Clock
 from kvrelay.core.config import LifecycleConfig
 from kvrelay.disagg import wire
-from kvrelay.disagg.lease import Coordinator
+from kvrelay.disagg.lease import Coordinator, PeerLease
 from kvrelay.disagg.lifecycle import (D_TRANSITIONS, DPhase, Lifecycle, Reason, Room, TerminalEvent,
                                       d_deadlines, phase_name)
 from kvrelay.disagg.transfer.base import KVReceiver, TransferManager, TransferStatus
@@ -155,11 +158,19 @@ class DecodeSide(Coordinator):
     def _extra_heartbeat_rooms(self) -> dict[int, str]:
         return {room: wire.QUARANTINE_PHASE for room in self.quarantine}
 
+    def _heartbeat_progress(self) -> dict[int, int]:
+        out = {}
+        for room, rcv in self._receivers.items():
+            r = self.lc.rooms.get(room)
+            if r is not None and r.phase is DPhase.WAITING and rcv.progress():
+                out[room] = rcv.progress()
+        return out
+
     def _depends_on_peer(self, r: Room) -> bool:
         rcv = self._receivers.get(r.room)
         return rcv is not None and rcv.poll() is not S.SUCCESS  # KV + aux in: P is done with us
 
-    def _on_peer_phase(self, r: Room, phase: str) -> None:
+    def _on_peer_phase(self, r: Room, phase: str, lease: PeerLease) -> None:
         if not self._depends_on_peer(r):
             return
         if phase in ("failed", "aborted"):

@@ -9,6 +9,10 @@ Rules (lifecycle.md, "Deadlines that never kill a healthy slow request"):
 - A room fails when a heartbeat newer than the one that last listed it (or newer than the
   point where the peer must know it) no longer lists it: the peer forgot it.
 - Heartbeats older than the newest one seen (reordered, duplicated) are ignored entirely.
+- Progress, not age, bounds a moving transfer: D's heartbeats carry how many KV pages from
+  P have landed in all and per waiting room, and P fails an unacknowledged room only after
+  `heartbeat_misses` heartbeats in a row that show it waiting with no new page landed
+  (prefill_side). Every message renews the lease, KV data frames included.
 `Coordinator` is the machinery both PrefillSide and DecodeSide share: heartbeats out from
 `step()`, lease checks in, the watchdog pass, tombstones, debug rows.
 """
@@ -33,6 +37,8 @@ class PeerLease:
     last_heard: float
     last_seq: int = -1
     rooms: dict[int, str] = field(default_factory=dict)  # from the newest heartbeat
+    progress: dict[int, int] = field(default_factory=dict)  # from the newest heartbeat
+    landed: int = 0                                          # from the newest heartbeat
 
 
 class Leases:
@@ -60,7 +66,8 @@ class Leases:
         elif hb.seq <= lease.last_seq:
             return "stale"
         lease.incarnation, lease.last_heard = hb.incarnation, self.clock.now()
-        lease.last_seq, lease.rooms = hb.seq, dict(hb.rooms)
+        lease.last_seq, lease.rooms, lease.progress = hb.seq, dict(hb.rooms), dict(hb.progress)
+        lease.landed = hb.landed
         return verdict
 
     def heard(self, last_message: dict[str, float]) -> None:
@@ -104,8 +111,8 @@ class Coordinator(ABC):
         """Whether `r` can still be harmed by its peer dying or forgetting it."""
 
     @abstractmethod
-    def _on_peer_phase(self, r: Room, phase: str) -> None:
-        """The peer's newest heartbeat lists `r` in `phase`."""
+    def _on_peer_phase(self, r: Room, phase: str, lease: PeerLease) -> None:
+        """The peer's newest heartbeat (`lease`) lists `r` in `phase`."""
 
     def _backend_status(self, r: Room) -> str:
         return ""
@@ -119,6 +126,10 @@ class Coordinator(ABC):
         return True
 
     def _extra_heartbeat_rooms(self) -> dict[int, str]:
+        return {}
+
+    def _heartbeat_progress(self) -> dict[int, int]:
+        """{room: pages landed} to report for rooms still receiving KV (D side)."""
         return {}
 
     # ---- the loop ---------------------------------------------------------------------------
@@ -155,7 +166,7 @@ class Coordinator(ABC):
         r.peer_known_seq = lease.last_seq
         if r.peer_incarnation is None:
             r.peer_incarnation = lease.incarnation  # the incarnation that holds the room
-        self._on_peer_phase(r, phase)
+        self._on_peer_phase(r, phase, lease)
 
     def _watchdog(self) -> None:
         """Every live room, every iteration: phase deadlines, then dead peers."""
@@ -188,14 +199,14 @@ class Coordinator(ABC):
             return
         self._last_beat = now
         targets = set(self.manager.peers()) | {r.peer for r in self.lc.rooms.values() if r.peer}
-        extra = self._extra_heartbeat_rooms()
+        extra, progress = self._extra_heartbeat_rooms(), self._heartbeat_progress()
         for address in sorted(targets):
             rooms = {r.room: phase_name(r.phase) for r in self.lc.rooms.values()
                      if r.peer in (None, address)}
             rooms.update({room: ph for room, (peer, ph, _) in self._tombstones.items()
                           if peer in (None, address)})
             rooms.update(extra)
-            self.manager.heartbeat(address, rooms)
+            self.manager.heartbeat(address, rooms, {room: n for room, n in progress.items() if room in rooms})
 
     def _tombstone(self, r: Room, phase: str) -> None:
         """A finished room stays in heartbeats a while so the peer learns its outcome even

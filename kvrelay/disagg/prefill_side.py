@@ -9,9 +9,14 @@ Invariants:
   its terminal event says why. `prefill_done` on a room that already ended does nothing.
 - A room leaves `transfer` only on D's ack (or D's heartbeat showing it decoding, when the
   ack was lost) or on a terminal failure; the sender is aborted on every failure.
-- A room whose KV and aux are all out, while D's heartbeats keep listing it as waiting,
-  fails after `heartbeat_misses` of them (transfer_error): an unacknowledged transfer
-  never outlives the lease.
+- A room whose KV and aux are all out (handed to the backend: on tcp the bytes may still
+  be on the wire) while D's heartbeats keep listing it as waiting fails (transfer_error)
+  after `heartbeat_misses` such heartbeats in a row without progress. Progress: some of
+  the room's pages are still missing and D reports more of this worker's pages landed
+  than at the previous heartbeat (for any room: the link is FIFO, so a room queued
+  behind others moves when they do). A transfer that moves is never failed for its
+  length (only the --transfer-timeout backstop bounds it); one that stalls, or whose
+  pages are all in but whose aux or ack never comes, never outlives the lease.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from typing import Callable
 from kvrelay.core.clock import Clock
 from kvrelay.core.config import LifecycleConfig
 from kvrelay.disagg import wire
-from kvrelay.disagg.lease import Coordinator
+from kvrelay.disagg.lease import Coordinator, PeerLease
 from kvrelay.disagg.lifecycle import (P_TRANSITIONS, Lifecycle, PPhase, Reason, Room, TerminalEvent,
                                       p_deadlines, phase_name)
 from kvrelay.disagg.transfer.base import KVSender, TransferManager, TransferStatus
@@ -106,7 +111,7 @@ class PrefillSide(Coordinator):
     def _depends_on_peer(self, r: Room) -> bool:
         return r.peer is not None
 
-    def _on_peer_phase(self, r: Room, phase: str) -> None:
+    def _on_peer_phase(self, r: Room, phase: str, lease: PeerLease) -> None:
         if phase in ("failed", "aborted", wire.QUARANTINE_PHASE):
             reason = Reason.ABORTED.value if phase == "aborted" else Reason.PEER_FAILED.value
             self._fail(r, reason, f"decode side is {phase}")
@@ -116,16 +121,28 @@ class PrefillSide(Coordinator):
             elif r.phase is not PPhase.TRANSFER:
                 self._fail(r, Reason.PEER_FAILED.value, f"decode side is {phase} before the transfer")
         elif phase == "waiting" and r.phase is PPhase.TRANSFER and self._senders[r.room].aux_sent:
-            self._unacked(r)
+            self._unacked(r, lease)
 
-    def _unacked(self, r: Room) -> None:
-        """D is alive and still waiting although every byte and the aux went out: resend the
-        aux (it may have been lost), and give up after `heartbeat_misses` such heartbeats.
-        This bounds the transfer phase by the lease, not by --transfer-timeout."""
-        n = r.data["unacked"] = r.data.get("unacked", 0) + 1
+    def _unacked(self, r: Room, lease: PeerLease) -> None:
+        """D is alive and still waiting although every byte and the aux went out. While
+        pages of the room are missing and D reports new pages landed, the bytes are on
+        their way: wait. Otherwise resend the aux (it may have been lost; once every page
+        is in, only the aux or the ack is missing), and give up after `heartbeat_misses`
+        heartbeats in a row without progress. This bounds a stalled transfer by the
+        lease, not by --transfer-timeout, and never fails one that moves."""
+        dest = self._senders[r.room].dest
+        landed = lease.progress.get(r.room, 0)
+        missing = landed < len(dest.dst_pages if dest else ())
+        moved = lease.landed > r.data.get("link_landed", 0)
+        r.data["link_landed"] = lease.landed
+        if missing and moved:
+            r.data["stalled"] = 0
+            return
+        n = r.data["stalled"] = r.data.get("stalled", 0) + 1
         if n > self.cfg.heartbeat_misses:
             self._fail(r, Reason.TRANSFER_ERROR.value,
-                       f"decode side did not acknowledge the KV within {n - 1} heartbeats of receiving it")
+                       f"decode side reported no KV progress ({landed} pages landed) and no ack "
+                       f"in {n} heartbeats")
         else:
             self._senders[r.room].resend()
 

@@ -138,21 +138,37 @@ class Destination(Message):
 @dataclass(frozen=True)
 class Heartbeat(Message):
     """Both ways, from the scheduler loop. `rooms` maps every room the sender holds (and
-    recently finished ones) to its phase name. `seq` grows by one per heartbeat sent."""
+    recently finished ones) to its phase name. `seq` grows by one per heartbeat sent.
+    D -> P, two-sided backends: `landed` counts the KV pages from the recipient that have
+    landed at the sender since it started (it grows while the link moves, whichever room
+    the bytes are for), and `progress` maps a waiting room to how many of its own pages
+    have landed. A sender that predates these fields (or a one-sided backend) sends
+    neither: no progress information."""
     worker_id: str
     incarnation: str
     seq: int
     rooms: dict = field(default_factory=dict)  # {room: phase}
+    progress: dict = field(default_factory=dict)  # {room: pages landed}
+    landed: int = 0
 
     def to_body(self) -> dict:
         body = super().to_body()
         body["rooms"] = [[r, p] for r, p in self.rooms.items()]
+        body["progress"] = [[r, n] for r, n in self.progress.items()]
         return body
 
     @classmethod
     def from_body(cls, body: dict) -> "Heartbeat":
         rooms = {int(r): str(p) for r, p in body["rooms"]}
-        return cls(body["worker_id"], body["incarnation"], int(body["seq"]), rooms)
+        progress = {int(r): _count(n) for r, n in body.get("progress", ())}
+        return cls(body["worker_id"], body["incarnation"], int(body["seq"]), rooms, progress,
+                   _count(body.get("landed", 0)))
+
+
+def _count(n: Any) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise WireError(f"progress count {n!r} is not a non-negative integer")
+    return n
 
 
 NOTICE_KINDS = ("aborted", "failed")

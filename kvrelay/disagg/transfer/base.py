@@ -178,6 +178,12 @@ class KVReceiver(ABC):
         """The lifecycle is done with this room and is about to release its pages: every
         later byte for (room, epoch) is dropped."""
 
+    def progress(self) -> int:
+        """Pages of this room whose bytes have landed here so far: grows while a transfer
+        moves, never shrinks. 0 where the receiver cannot see its bytes arrive (one-sided
+        backends: there P's write completing means every byte landed)."""
+        return 0
+
     failure_reason: str | None
     failure_detail: str
     peer_address: str | None   # P's control address
@@ -219,8 +225,10 @@ class TransferManager(ABC):
     def receiver(self, room: int) -> KVReceiver: ...
 
     @abstractmethod
-    def heartbeat(self, dst: str, rooms: dict[int, str]) -> None:
-        """Send a Heartbeat listing `rooms` ({room: phase}) to `dst`."""
+    def heartbeat(self, dst: str, rooms: dict[int, str], progress: dict[int, int] | None = None) -> None:
+        """Send a Heartbeat listing `rooms` ({room: phase}) and, from D, `progress`
+        ({waiting room: KVReceiver.progress()}) to `dst`; a two-sided backend adds how many
+        pages from `dst` have landed here in all (wire.Heartbeat.landed)."""
 
     @abstractmethod
     def take_heartbeats(self) -> list[tuple[str, wire.Heartbeat]]:

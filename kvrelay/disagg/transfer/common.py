@@ -247,6 +247,9 @@ class CommonReceiver(_Endpoint, KVReceiver):
     def aux(self) -> wire.Aux | None:
         return self._aux if self.status is S.SUCCESS else None
 
+    def progress(self) -> int:
+        return len(self.landed)
+
     def abort(self, reason: str, detail: str = "") -> None:
         self._fail(reason, detail)
 
@@ -301,6 +304,7 @@ class CommonManager(TransferManager):
         self._heartbeats: list[tuple[str, wire.Heartbeat]] = []
         self._await_peer: dict[str, list[Received]] = {}   # Destinations from a peer not yet learned
         self._heard: dict[str, float] = {}                # peer address -> last message time
+        self._landed_from: dict[str, int] = {}            # D: peer address -> KV pages landed from it
         self.bytes_written = 0       # P: KV bytes of completed writes
         self.write_seconds = 0.0     # P: their summed durations (start to every byte landed)
         self.writes_done = 0
@@ -347,7 +351,11 @@ class CommonManager(TransferManager):
     def mark_landed(self, room: int, epoch: int, dst_pages) -> None:
         rcv = self._receivers.get(room)
         if rcv is not None and rcv.epoch == epoch:
+            before = len(rcv.landed)
             rcv.landed.update(p for p in dst_pages if p in rcv.pages)
+            if rcv.peer_address is not None:
+                self._landed_from[rcv.peer_address] = (self._landed_from.get(rcv.peer_address, 0)
+                                                       + len(rcv.landed) - before)
             rcv._maybe_done()
 
     # ---- jobs (fault hook in front of the backend) --------------------------------------
@@ -399,9 +407,10 @@ class CommonManager(TransferManager):
     def heard(self) -> dict[str, float]:
         return self._heard
 
-    def heartbeat(self, dst: str, rooms: dict[int, str]) -> None:
+    def heartbeat(self, dst: str, rooms: dict[int, str], progress: dict[int, int] | None = None) -> None:
         self.hb_seq += 1
-        self.channel.send(dst, wire.Heartbeat(self.worker_id, self.incarnation, self.hb_seq, rooms))
+        self.channel.send(dst, wire.Heartbeat(self.worker_id, self.incarnation, self.hb_seq, rooms,
+                                              progress or {}, self._landed_from.get(dst, 0)))
 
     def take_heartbeats(self) -> list[tuple[str, wire.Heartbeat]]:
         out, self._heartbeats = self._heartbeats, []

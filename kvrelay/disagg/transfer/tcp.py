@@ -10,6 +10,10 @@ Invariants:
 - A message carries at most CHUNK_BYTES (whole pages): D checks ownership per chunk and
   copies chunk i while chunk i + 1 is still on the wire, and zmq never allocates one huge
   receive buffer.
+- zmq hands D a message only once all of it has arrived, and only arrivals renew P's lease
+  and count as progress in D's heartbeats. So one chunk must cross well within a lease on
+  the slowest link served: 128 KiB takes 0.5 s at 2 Mbit/s (the lease is 3 s by default).
+  A page bigger than that is still sent whole.
 - P's source pages stay pinned until ack or a terminal failure (the lifecycle's rule), so
   a zero-copy frame never reads pages of another request while the room is live; after a
   failure, whatever bytes still go out are dropped by D's ownership check.
@@ -24,7 +28,7 @@ from kvrelay.disagg.channel import Received
 from kvrelay.disagg.transfer.base import WriteJob
 from kvrelay.disagg.transfer.common import CommonManager
 
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 128 << 10
 
 
 @wire.message("TcpKV")

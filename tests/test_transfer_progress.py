@@ -1,0 +1,241 @@
+"""A transfer that makes progress is never failed; one that stalls fails within the lease.
+
+D's heartbeats report how many of P's pages have landed, in all and per waiting room
+(two-sided backends). P fails an unacknowledged room only after `heartbeat_misses`
+heartbeats in a row showing it waiting with no new page landed. Under the simulated clock, a `SlowLink` in front of D's data
+hook delivers the KV one page at a time, at a set rate, as a throttled link would."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from disagg_helpers import BACKENDS, CFG, DT, LAYOUT, Harness, pattern, with_cfg
+from kvrelay.disagg import wire
+from kvrelay.disagg.channel import Received
+
+LEASE = CFG.heartbeat_interval * CFG.heartbeat_misses
+# Backstops far away, so that only the lease rule can end a room here.
+SLOW_CFG = with_cfg(transfer_timeout=60.0, waiting_timeout=60.0)
+TWO_SIDED = [b for b in ("tcp", "fake-twosided") if b in BACKENDS]
+
+
+@pytest.fixture(params=TWO_SIDED)
+def backend(request):
+    return request.param
+
+
+class SlowLink:
+    """Holds the KV data messages D receives and hands them to the backend one page per
+    `seconds_per_page` of simulated time; `stall()` stops the flow (bytes stuck in the
+    network), `resume()` restarts it."""
+
+    def __init__(self, H: Harness, seconds_per_page: float) -> None:
+        self.H, self.rate = H, seconds_per_page
+        self.inner = H.dm.on_data
+        self.queue: list[Received] = []
+        self.stalled = False
+        self.next_at = 0.0
+        self.last_landed_at: float | None = None
+        H.dm.on_data = self.hold
+
+    def hold(self, received: Received) -> None:
+        msg, pb = received.msg, LAYOUT.page_bytes
+        data = memoryview(received.frames[0])
+        first = getattr(msg, "first_page", None)
+        pages = range(first, first + msg.num_pages) if first is not None else msg.dst_pages
+        for i, p in enumerate(pages):  # one message per page, as a byte stream would arrive
+            piece = (type(msg)(msg.room, msg.epoch, p, 1) if first is not None
+                     else type(msg)(msg.room, msg.epoch, (p,)))
+            self.queue.append(Received(received.src, piece, (bytes(data[i * pb:(i + 1) * pb]),)))
+        self.next_at = max(self.next_at, self.H.clock.now())
+
+    def pump(self) -> None:
+        now = self.H.clock.now()
+        while self.queue and not self.stalled and now >= self.next_at:
+            self.inner(self.queue.pop(0))
+            self.last_landed_at, self.next_at = now, self.next_at + self.rate
+
+    def stall(self) -> None:
+        self.stalled = True
+
+    def resume(self) -> None:
+        self.stalled, self.next_at = False, self.H.clock.now()
+
+
+class ProgressHarness(Harness):
+    """A Harness whose D receives KV through a SlowLink, and which counts the Aux
+    messages P sends."""
+
+    def __init__(self, backend: str, seconds_per_page: float, **kw) -> None:
+        super().__init__(backend, SLOW_CFG, **kw)
+        self.link = SlowLink(self, seconds_per_page)
+        self.aux_sent = 0
+        send = self.pm.channel.send
+
+        def counting_send(dst, msg, frames=()):
+            self.aux_sent += isinstance(msg, wire.Aux)
+            return send(dst, msg, frames)
+        self.pm.channel.send = counting_send
+
+    def step(self, n: int = 1) -> None:
+        for _ in range(n):
+            super().step()
+            self.link.pump()
+
+
+def ready(H: Harness, room: int) -> bool:
+    return room in [r for r, _ in H.D.take_ready()] or H.phase("D", room) == "decode"
+
+
+def test_heartbeat_progress_round_trips_and_is_optional():
+    hb = wire.Heartbeat("d", "i", 3, {7: "waiting", 8: "decode"}, {7: 5}, 42)
+    src, back = wire.decode(wire.encode(hb, "tcp://a:1"))
+    assert back == hb and back.progress == {7: 5} and back.landed == 42
+    old = json.dumps({"v": wire.WIRE_VERSION, "kind": "Heartbeat", "src": "x",
+                      "body": {"worker_id": "d", "incarnation": "i", "seq": 1, "rooms": [[7, "waiting"]]}})
+    back = wire.decode(old.encode())[1]
+    assert (back.progress, back.landed) == ({}, 0)       # a sender without the fields: no progress info
+    bad_bodies = [{"progress": bad} for bad in ([[7, -1]], [[7, "5"]], [[7, 1.5]], [[7, True]], [7])]
+    bad_bodies += [{"landed": bad} for bad in (-1, "3", 2.5, None)]
+    for extra in bad_bodies:
+        body = {"worker_id": "d", "incarnation": "i", "seq": 1, "rooms": [], **extra}
+        with pytest.raises(wire.WireError):
+            wire.decode(json.dumps({"v": wire.WIRE_VERSION, "kind": "Heartbeat", "src": "x", "body": body}).encode())
+
+
+def test_a_transfer_that_keeps_landing_pages_survives_many_heartbeats(backend):
+    """12 pages at one page per 0.8 s: the KV takes ~9 s to land, three times the lease,
+    with aux out from the start. P never fails it; the bytes arrive exactly, and the aux
+    is not resent while pages keep landing."""
+    H = ProgressHarness(backend, seconds_per_page=0.8, num_pages=16)
+    try:
+        H.request(1, n_pages=12)
+        H.to_phase(1, "P", "queued")
+        dst = list(H.D.lc.rooms[1].data["pages"])
+        H.prefill(1)
+        t0 = H.clock.now()
+        assert H.run_until(lambda: ready(H, 1), 30), (H.P.live(), H.D.live(), H.events)
+        took = H.clock.now() - t0
+        assert took > 2.5 * LEASE and all(ev.phase == "done" for _, ev in H.events)   # no failure
+        assert H.d_pages(dst) == pattern(1, 12 * LAYOUT.page_bytes)
+        assert H.aux_sent == 1                                # moving: no resend was needed
+        H.D.finish(1)
+        H.settle()
+        assert {(ev.side, ev.phase) for _, ev in H.events} == {("prefill", "done"), ("decode", "done")}
+        H.assert_no_leak()
+    finally:
+        H.close()
+
+
+def test_a_room_queued_behind_another_on_the_link_survives(backend):
+    """Two rooms of 8 pages share the link, FIFO, one page per 0.8 s: room 2's first page
+    lands only after room 1's last, 6.4 s (two leases) after its aux went out. The link
+    moved all along, so neither fails."""
+    H = ProgressHarness(backend, seconds_per_page=0.8, num_pages=16)
+    try:
+        for room in (1, 2):
+            H.request(room, n_pages=8)
+        H.to_phase(1, "P", "queued")
+        H.to_phase(2, "P", "queued")
+        H.prefill(1)
+        H.prefill(2)
+        done = set()
+        assert H.run_until(lambda: bool(done.update(r for r, _ in H.D.take_ready())) or done == {1, 2}, 30), H.events
+        assert all(ev.phase == "done" for _, ev in H.events), H.events
+        for room in (1, 2):
+            H.D.finish(room)
+        H.assert_no_leak()
+    finally:
+        H.close()
+
+
+def test_a_transfer_with_no_progress_for_the_lease_fails(backend):
+    """The link stalls after 4 of 12 pages: P resends the aux on each heartbeat that shows
+    no progress and fails the room with transfer_error after `heartbeat_misses` of them,
+    long before --transfer-timeout. D's room fails with the same reason; nothing leaks."""
+    H = ProgressHarness(backend, seconds_per_page=0.3, num_pages=16)
+    try:
+        H.request(1, n_pages=12)
+        H.to_phase(1, "P", "queued")
+        H.prefill(1)
+        assert H.run_until(lambda: H.D._receivers[1].progress() >= 4, 10)
+        H.link.stall()
+        stalled_at = H.link.last_landed_at
+        assert H.run_until(lambda: H.event("P", 1) is not None, 30)
+        t, ev = H.event("P", 1)
+        assert (ev.phase, ev.reason) == ("failed", "transfer_error") and "no KV progress" in ev.detail
+        # The first D heartbeat after the stall may still show the last page as new; then
+        # `misses` heartbeats without progress (each resends the aux) and the failure on
+        # the next one; + a few iterations for the heartbeat to travel.
+        assert LEASE <= t - stalled_at <= LEASE + 2 * CFG.heartbeat_interval + 10 * DT
+        assert t - stalled_at < SLOW_CFG.transfer_timeout
+        assert H.aux_sent == 1 + CFG.heartbeat_misses
+        assert H.run_until(lambda: H.event("D", 1) is not None, 5)
+        assert H.event("D", 1)[1].reason == "transfer_error"
+        H.assert_no_leak()
+    finally:
+        H.close()
+
+
+def test_progress_resets_the_count_and_a_resumed_link_completes(backend):
+    """Stall for less than the lease, resume, stall again for less than the lease: each
+    stall starts its count from zero, so the room completes. The resends during the
+    stalls are harmless duplicates."""
+    H = ProgressHarness(backend, seconds_per_page=0.2, num_pages=16)
+    try:
+        H.request(1, n_pages=12)
+        H.to_phase(1, "P", "queued")
+        H.prefill(1)
+        for landed in (3, 7):
+            assert H.run_until(lambda: H.D._receivers[1].progress() >= landed, 10)
+            H.link.stall()
+            H.step(int((LEASE - CFG.heartbeat_interval) / DT))
+            H.link.resume()
+        assert H.run_until(lambda: ready(H, 1), 20), H.events
+        assert all(ev.phase == "done" for _, ev in H.events) and H.aux_sent > 1
+        H.D.finish(1)
+        H.assert_no_leak()
+    finally:
+        H.close()
+
+
+def test_every_page_in_but_no_aux_still_fails_within_the_lease(backend):
+    """Progress only counts while pages are missing: once every page has landed, only the
+    aux or the ack is missing, so D ignoring the aux (the stuck-inflight scenario) fails
+    after the same `heartbeat_misses` heartbeats as before progress was reported."""
+    H = ProgressHarness(backend, seconds_per_page=0.0, d_faults="ignore_aux=1")
+    try:
+        H.request(1, n_pages=3)
+        H.to_phase(1, "P", "queued")
+        H.prefill(1)
+        t0 = H.clock.now()
+        assert H.run_until(lambda: H.event("P", 1) is not None, 30)
+        t, ev = H.event("P", 1)
+        assert (ev.phase, ev.reason) == ("failed", "transfer_error")
+        assert t - t0 <= LEASE + 2 * CFG.heartbeat_interval + 10 * DT
+        assert H.aux_sent == 1 + CFG.heartbeat_misses
+        H.assert_no_leak()
+    finally:
+        H.close()
+
+
+def test_decode_reports_progress_only_for_waiting_rooms(backend):
+    H = ProgressHarness(backend, seconds_per_page=0.5)
+    try:
+        H.request(1, n_pages=4)
+        H.request(2, n_pages=2, on_p=False)                    # stays in bootstrap on D
+        H.to_phase(1, "P", "queued")
+        assert H.D._heartbeat_progress() == {}                # nothing landed yet
+        H.prefill(1)
+        assert H.run_until(lambda: H.D._receivers[1].progress() >= 2, 10)
+        assert set(H.D._heartbeat_progress()) == {1} and H.D._heartbeat_progress()[1] >= 2
+        lease = H.P.leases.peers[H.dm.address]
+        assert H.run_until(lambda: lease.progress.get(1, 0) >= 2 and lease.landed >= 2, 5)   # P sees it
+        assert H.run_until(lambda: ready(H, 1), 10)
+        assert H.D._heartbeat_progress() == {}                # decoding: no longer reported
+        H.D.finish(1)
+        H.D.abort(2)
+        H.assert_no_leak()
+    finally:
+        H.close()
