@@ -28,6 +28,12 @@ run: $(BASE) $(NIXL)
 test: $(BASE) $(NIXL)
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
+# Real-process chaos, one seeded episode per seed (tests/chaos.py; docs/operations.md).
+SEEDS ?= 0-19
+.PHONY: chaos
+chaos: $(BASE) $(NIXL)
+	$(PY) tests/chaos.py --seeds $(SEEDS) $(ARGS)
+
 bench: $(BASE) $(NIXL)
 	$(PY) benchmarks/serving.py --spawn $(ARGS)
 

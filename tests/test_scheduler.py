@@ -112,3 +112,26 @@ def test_decode_preempts_newest_when_pool_is_full_and_recomputes_it():
     s.finish(new, FinishReason.STOP)
     alloc.check_integrity()
     assert alloc.num_free == alloc.num_total
+
+
+def test_a_preempted_request_never_waits_for_pages_a_partial_prefill_holds():
+    """Found by chaos (seed 0, and every reference run on a 64-page decode pool): two long
+    decodes outgrew the pool. The newer was preempted and partly re-prefilled, holding
+    pages while it waited; the older then could not grow, preempted itself, and went to the
+    head of the waiting queue, where its prefill no longer fit. Nothing ran again, and the
+    clients waited for --request-timeout. A partly prefilled waiting request now gives its
+    pages back before a running one is preempted."""
+    alloc, s = make(num_pages=8, page_size=4, budget=8)
+    s.add(req("old", 4, max_tokens=20))
+    run_step(s)
+    s.add(req("new", 30, max_tokens=2))   # prefilled in chunks of 8
+    for _ in range(200):
+        if not s.num_requests:
+            break
+        assert not run_step(s).empty, f"nothing scheduled: waiting {[r.rid for r in s.waiting]}, running none"
+        for r in list(s.running):
+            if len(r.output_ids) >= r.params.max_tokens:
+                s.finish(r, FinishReason.LENGTH)
+    assert not s.num_requests
+    alloc.check_integrity()
+    assert alloc.num_free == alloc.num_total

@@ -6,9 +6,10 @@ longer than the budget) or a decode batch (every running request, one token each
 Prefill goes first so new requests join the batch at the next step.
 
 Pages: a request is admitted only when the pages for its next chunk are free. Decode
-grows a request one page at a time; when the pool is full, the most recently admitted
-running request is preempted (its pages freed, its tokens recomputed later): the
-oldest requests keep making progress and nothing crashes.
+grows a request one page at a time; when the pool is full, a partly prefilled waiting
+request gives its pages back first, then the most recently admitted running request is
+preempted (its pages freed, its tokens recomputed later): the oldest requests keep
+making progress and nothing crashes.
 
 Invariant: a request's pages are exactly `allocator.pages_of(rid)`, in order, and a
 finished request owns none.
@@ -125,11 +126,21 @@ class Scheduler:
             if req.status != ReqStatus.RUNNING:
                 continue  # preempted while making room for an earlier request
             while not self._grow(req, req.seq_len):
-                victim = self.running[-1]
+                victim = self._victim()
                 self._preempt(victim)
                 if victim is req:
                     break
         return list(self.running)
+
+    def _victim(self) -> Req:
+        """Whose pages go when a running request cannot grow: a partly prefilled waiting
+        request (the newest) before any running one. A waiting request must never keep
+        pages a running one needs: once that one is preempted too, the waiting head can
+        wait for them forever while nothing runs."""
+        for req in reversed(self.waiting):
+            if req.pages:
+                return req
+        return self.running[-1]
 
     def _grow(self, req: Req, tokens: int) -> bool:
         extra = pages_for(tokens, self.page_size) - len(req.pages)
@@ -142,14 +153,17 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Req) -> None:
-        self.running.remove(req)
+        """Free `req`'s pages: it is recomputed from its first token. A running request
+        goes back to the head of the waiting queue; a waiting one keeps its place."""
         self.allocator.free(req.rid)
         req.pages = []
         req.num_computed = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        req.status = ReqStatus.WAITING
-        self.waiting.appendleft(req)
+        if req.status == ReqStatus.RUNNING:
+            self.running.remove(req)
+            req.status = ReqStatus.WAITING
+            self.waiting.appendleft(req)
 
     def on_prefill_done(self, items: list[PrefillItem]) -> None:
         """Advance computed counts; a request whose prompt is fully computed joins the batch."""
