@@ -3,7 +3,9 @@
 D's heartbeats report how many of P's pages have landed, in all and per waiting room
 (two-sided backends). P fails an unacknowledged room only after `heartbeat_misses`
 heartbeats in a row showing it waiting with no new page landed. Under the simulated clock, a `SlowLink` in front of D's data
-hook delivers the KV one page at a time, at a set rate, as a throttled link would."""
+hook delivers the KV one page at a time, at a set rate, as a throttled link would.
+A write still pending (aux not out) is judged the same way, its own bytes handed off
+counting as progress too, except on a backend whose pending writes are opaque (nixl)."""
 from __future__ import annotations
 
 import json
@@ -13,6 +15,8 @@ import pytest
 from disagg_helpers import BACKENDS, CFG, DT, LAYOUT, Harness, pattern, with_cfg
 from kvrelay.disagg import wire
 from kvrelay.disagg.channel import Received
+from kvrelay.disagg.transfer import TRANSFER_BACKENDS, tcp
+from kvrelay.disagg.transfer.tcp import TcpKV
 
 LEASE = CFG.heartbeat_interval * CFG.heartbeat_misses
 # Backstops far away, so that only the lease rule can end a room here.
@@ -37,6 +41,7 @@ class SlowLink:
         self.stalled = False
         self.next_at = 0.0
         self.last_landed_at: float | None = None
+        self.delivered = 0
         H.dm.on_data = self.hold
 
     def hold(self, received: Received) -> None:
@@ -54,6 +59,7 @@ class SlowLink:
         now = self.H.clock.now()
         while self.queue and not self.stalled and now >= self.next_at:
             self.inner(self.queue.pop(0))
+            self.delivered += 1
             self.last_landed_at, self.next_at = now, self.next_at + self.rate
 
     def stall(self) -> None:
@@ -170,7 +176,9 @@ def test_a_transfer_with_no_progress_for_the_lease_fails(backend):
         # the next one; + a few iterations for the heartbeat to travel.
         assert LEASE <= t - stalled_at <= LEASE + 2 * CFG.heartbeat_interval + 10 * DT
         assert t - stalled_at < SLOW_CFG.transfer_timeout
-        assert H.aux_sent == 1 + CFG.heartbeat_misses
+        # One resend per heartbeat without progress; on real sockets (tcp) a heartbeat that
+        # overtakes the first data can count one more before the stall.
+        assert 1 + CFG.heartbeat_misses <= H.aux_sent <= 2 + CFG.heartbeat_misses
         assert H.run_until(lambda: H.event("D", 1) is not None, 5)
         assert H.event("D", 1)[1].reason == "transfer_error"
         H.assert_no_leak()
@@ -236,6 +244,127 @@ def test_decode_reports_progress_only_for_waiting_rooms(backend):
         assert H.D._heartbeat_progress() == {}                # decoding: no longer reported
         H.D.finish(1)
         H.D.abort(2)
+        H.assert_no_leak()
+    finally:
+        H.close()
+
+
+# ---- a write that is still pending (aux not out yet) is judged by progress too ------------
+def opaque(backend: str) -> bool:
+    return TRANSFER_BACKENDS.get(backend).opaque_writes
+
+
+def hung_write_ends(H: Harness) -> tuple[float, object]:
+    """Start one 3-page room whose write hangs; -> (seconds until P ended it, P's event)."""
+    H.request(1, n_pages=3)
+    H.to_phase(1, "P", "queued")
+    H.prefill(1)
+    t0 = H.clock.now()
+    assert H.run_until(lambda: H.event("P", 1) is not None, 30), (H.P.live(), H.D.live())
+    t, ev = H.event("P", 1)
+    return t - t0, ev
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if not opaque(b)])
+def test_a_write_that_never_starts_fails_within_the_lease(backend):
+    """`hang_transfer=1` on P: the write never starts, so the aux never goes out and D
+    lists the room as waiting in every heartbeat. With no byte handed off and none landed,
+    P fails it (transfer_error) within the lease plus two heartbeat intervals, long before
+    --transfer-timeout. The hung write never confirms it stopped, so a one-sided D keeps
+    the pages quarantined until its backstop; then everything is released once."""
+    H = Harness(backend, SLOW_CFG, p_faults="hang_transfer=1")
+    try:
+        took, ev = hung_write_ends(H)
+        assert (ev.phase, ev.reason) == ("failed", "transfer_error") and "write made no progress" in ev.detail
+        assert LEASE <= took <= LEASE + 2 * CFG.heartbeat_interval + 10 * DT
+        assert H.run_until(lambda: H.event("D", 1) is not None, 5)
+        assert H.event("D", 1)[1].reason == "transfer_error"
+        H.step(5)
+        assert (1 in H.D.quarantine) == H.dm.one_sided       # a hung write never says it stopped
+        H.assert_no_leak()
+    finally:
+        H.close()
+
+
+class FullSocket:
+    """P's tcp socket at its high-water mark: it takes a KV chunk only while fewer than
+    `window` pages are between P and D's pool, so the write stays pending and drains as
+    fast as the SlowLink lands pages."""
+
+    def __init__(self, H: ProgressHarness, window: int) -> None:
+        self.H, self.window = H, window
+        self.sent = self.refused = 0
+        self.inner = H.pm.channel.send
+        H.pm.channel.send = self.send
+
+    def send(self, dst, msg, frames=()):
+        if isinstance(msg, TcpKV):
+            if self.sent - self.H.link.delivered >= self.window:
+                self.refused += 1
+                return False
+            self.sent += msg.num_pages
+        return self.inner(dst, msg, frames)
+
+
+@pytest.mark.skipif("tcp" not in BACKENDS, reason="tcp backend not under test")
+def test_a_full_socket_that_drains_slowly_is_never_failed(monkeypatch):
+    """tcp, one page per chunk, a socket that holds two pages, a link that lands one page
+    per 0.8 s: the write of 16 pages stays pending (aux not out) for ~11 s, over three
+    leases, while D reports pages landing. P never fails it; the bytes arrive exactly."""
+    monkeypatch.setattr(tcp, "CHUNK_BYTES", LAYOUT.page_bytes)
+    H = ProgressHarness("tcp", seconds_per_page=0.8, num_pages=20)
+    try:
+        sock = FullSocket(H, window=2)
+        H.request(1, n_pages=16)
+        H.to_phase(1, "P", "queued")
+        dst = list(H.D.lc.rooms[1].data["pages"])
+        H.prefill(1)
+        t0 = H.clock.now()
+        H.step(int(3 * LEASE / DT))
+        assert not H.P._senders[1].aux_sent and H.phase("P", 1) == "transfer"   # still pending
+        assert H.run_until(lambda: ready(H, 1), 30), (H.P.live(), H.D.live(), H.events)
+        assert H.clock.now() - t0 > 3 * LEASE and sock.refused > 0
+        assert all(ev.phase == "done" for _, ev in H.events), H.events
+        assert H.d_pages(dst) == pattern(1, 16 * LAYOUT.page_bytes)
+        H.D.finish(1)
+        H.assert_no_leak()
+    finally:
+        H.close()
+
+
+def test_a_slow_opaque_write_is_never_failed_for_its_length():
+    """A backend that declares `opaque_writes` (nixl: UCX reports a WRITE in flight only
+    as in progress) shows nothing while its write is pending, so a write that takes three
+    leases (here the one-sided fake, landing after 160 iterations) must not be failed by
+    the pending-write rule. The same write on a backend that reports progress is."""
+    for is_opaque in (True, False):
+        H = Harness("fake", SLOW_CFG)
+        H.pm.opaque_writes, H.pm.write_iters = is_opaque, int(3 * LEASE / DT)
+        try:
+            H.request(1, n_pages=3)
+            H.to_phase(1, "P", "queued")
+            H.prefill(1)
+            assert H.run_until(lambda: ready(H, 1) or H.event("P", 1) is not None, 30), H.P.live()
+            if is_opaque:
+                assert ready(H, 1) and H.events == []
+                H.D.finish(1)
+            else:
+                assert H.event("P", 1)[1].reason == "transfer_error"
+            H.assert_no_leak()
+        finally:
+            H.close()
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if opaque(b)] + ["fake"])
+def test_a_hung_opaque_write_is_bounded_by_the_transfer_timeout(backend):
+    """nixl (and the fake declared opaque): a write that never completes is left to
+    --transfer-timeout (timeout:transfer), not failed by the lease; nothing leaks."""
+    H = Harness(backend, with_cfg(transfer_timeout=12.0, waiting_timeout=60.0), p_faults="hang_transfer=1")
+    H.pm.opaque_writes = True
+    try:
+        took, ev = hung_write_ends(H)
+        assert (ev.phase, ev.reason) == ("failed", "timeout:transfer")
+        assert 12.0 - DT <= took <= 12.0 + 2 * DT
         H.assert_no_leak()
     finally:
         H.close()

@@ -10,9 +10,11 @@ Rules (lifecycle.md, "Deadlines that never kill a healthy slow request"):
   point where the peer must know it) no longer lists it: the peer forgot it.
 - Heartbeats older than the newest one seen (reordered, duplicated) are ignored entirely.
 - Progress, not age, bounds a moving transfer: D's heartbeats carry how many KV pages from
-  P have landed in all and per waiting room, and P fails an unacknowledged room only after
+  P have landed in all and per waiting room, and P fails a room in transfer only after
   `heartbeat_misses` heartbeats in a row that show it waiting with no new page landed
-  (prefill_side). Every message renews the lease, KV data frames included.
+  and, while P's write is still pending, no new byte handed off by P's backend
+  (prefill_side; a backend with opaque pending writes leaves those to --transfer-timeout).
+  Every message renews the lease, KV data frames included.
 `Coordinator` is the machinery both PrefillSide and DecodeSide share: heartbeats out from
 `step()`, lease checks in, the watchdog pass, tombstones, debug rows.
 """

@@ -9,14 +9,17 @@ Invariants:
   its terminal event says why. `prefill_done` on a room that already ended does nothing.
 - A room leaves `transfer` only on D's ack (or D's heartbeat showing it decoding, when the
   ack was lost) or on a terminal failure; the sender is aborted on every failure.
-- A room whose KV and aux are all out (handed to the backend: on tcp the bytes may still
-  be on the wire) while D's heartbeats keep listing it as waiting fails (transfer_error)
-  after `heartbeat_misses` such heartbeats in a row without progress. Progress: some of
-  the room's pages are still missing and D reports more of this worker's pages landed
-  than at the previous heartbeat (for any room: the link is FIFO, so a room queued
-  behind others moves when they do). A transfer that moves is never failed for its
-  length (only the --transfer-timeout backstop bounds it); one that stalls, or whose
-  pages are all in but whose aux or ack never comes, never outlives the lease.
+- A room in `transfer` while D's heartbeats keep listing it as waiting fails
+  (transfer_error) after `heartbeat_misses` such heartbeats in a row without progress.
+  Progress: D reports more of this worker's pages landed than at the previous heartbeat
+  (for any room: the link is FIFO, so a room queued behind others moves when they do)
+  while some of the room's pages are still missing, or, while the write is still
+  pending (aux not yet out), the backend handed off more of its bytes. A transfer that
+  moves is never failed for its length (only the --transfer-timeout backstop bounds it);
+  one that stalls, never starts, or whose pages are all in but whose aux or ack never
+  comes, never outlives the lease. Exception: a backend whose pending writes are opaque
+  (`opaque_writes`, nixl) cannot show a write moving, so its pending writes are bounded
+  by --transfer-timeout alone; once the aux is out, the rule holds for it too.
 """
 from __future__ import annotations
 
@@ -70,6 +73,8 @@ class PrefillSide(Coordinator):
         if r is None or r.phase is not PPhase.PREFILL:
             return False
         self.lc.move(room, PPhase.TRANSFER)
+        lease = self.leases.peers.get(r.peer or "")
+        r.data["link_landed"] = lease.landed if lease is not None else 0  # progress counts from here
         self._senders[room].send(list(src_pages), aux)
         return True
 
@@ -120,8 +125,11 @@ class PrefillSide(Coordinator):
                 self._done(r)  # D decodes only after aux, which is sent last: the ack was lost
             elif r.phase is not PPhase.TRANSFER:
                 self._fail(r, Reason.PEER_FAILED.value, f"decode side is {phase} before the transfer")
-        elif phase == "waiting" and r.phase is PPhase.TRANSFER and self._senders[r.room].aux_sent:
-            self._unacked(r, lease)
+        elif phase == "waiting" and r.phase is PPhase.TRANSFER:
+            if self._senders[r.room].aux_sent:
+                self._unacked(r, lease)
+            elif not self.manager.opaque_writes:
+                self._write_pending(r, lease)
 
     def _unacked(self, r: Room, lease: PeerLease) -> None:
         """D is alive and still waiting although every byte and the aux went out. While
@@ -133,18 +141,42 @@ class PrefillSide(Coordinator):
         dest = self._senders[r.room].dest
         landed = lease.progress.get(r.room, 0)
         missing = landed < len(dest.dst_pages if dest else ())
-        moved = lease.landed > r.data.get("link_landed", 0)
-        r.data["link_landed"] = lease.landed
-        if missing and moved:
-            r.data["stalled"] = 0
-            return
-        n = r.data["stalled"] = r.data.get("stalled", 0) + 1
+        moved = self._link_moved(r, lease)
+        n = self._stalls(r, missing and moved)
         if n > self.cfg.heartbeat_misses:
             self._fail(r, Reason.TRANSFER_ERROR.value,
                        f"decode side reported no KV progress ({landed} pages landed) and no ack "
                        f"in {n} heartbeats")
-        else:
+        elif n:
             self._senders[r.room].resend()
+
+    def _write_pending(self, r: Room, lease: PeerLease) -> None:
+        """D is alive and waiting while this worker's write of the room is still pending
+        (a full socket, a slow link, or a write that never started). It moves while D
+        reports new pages landed or the backend hands off more of its bytes; after
+        `heartbeat_misses` heartbeats in a row with neither, it fails: a write that never
+        completes is bounded by the lease, not by --transfer-timeout."""
+        sent = self._senders[r.room].bytes_sent
+        moved = sent > r.data.get("bytes_sent", 0)
+        r.data["bytes_sent"] = sent
+        n = self._stalls(r, self._link_moved(r, lease) or moved)
+        if n > self.cfg.heartbeat_misses:
+            self._fail(r, Reason.TRANSFER_ERROR.value,
+                       f"the KV write made no progress ({sent} bytes handed off, none newly "
+                       f"landed at the decode side) in {n} heartbeats")
+
+    @staticmethod
+    def _link_moved(r: Room, lease: PeerLease) -> bool:
+        """D reports more of this worker's pages landed than at the previous heartbeat."""
+        moved = lease.landed > r.data.get("link_landed", 0)
+        r.data["link_landed"] = lease.landed
+        return moved
+
+    @staticmethod
+    def _stalls(r: Room, moved: bool) -> int:
+        """Heartbeats in a row that showed the room's transfer not moving (0 after one that did)."""
+        n = r.data["stalled"] = 0 if moved else r.data.get("stalled", 0) + 1
+        return n
 
     def _backend_status(self, r: Room) -> str:
         return self._senders[r.room].poll().name.lower()

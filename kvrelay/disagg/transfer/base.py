@@ -18,6 +18,10 @@ Contract shared by every backend (the lifecycle relies on each point):
   exactly (room, epoch); a one-sided receiver's pages stay quarantined after a failure
   (`may_still_write()`) until P confirms Stopped (or the lifecycle declares P dead or the
   quarantine deadline passes).
+- A pending write shows its progress: the backend bumps `WriteJob.bytes_sent` as it hands
+  bytes off, so the lifecycle can tell a slow write from a hung one. A backend whose
+  writes are opaque in flight (`opaque_writes`) cannot; then only --transfer-timeout
+  bounds a write that never completes.
 """
 from __future__ import annotations
 
@@ -64,8 +68,9 @@ class WriteState(enum.Enum):
 @dataclass(eq=False)
 class WriteJob:
     """One room's KV write, P side. `runs` are (src offset, dst offset, length) byte runs
-    from `kvlayout.paired_runs`. A backend drives `state` from PENDING to DONE or FAILED;
-    `handle` is the backend's own bookkeeping."""
+    from `kvlayout.paired_runs`. A backend drives `state` from PENDING to DONE or FAILED
+    and adds to `bytes_sent` whatever it hands off on the way; `handle` is the backend's
+    own bookkeeping."""
     room: int
     epoch: int
     peer: PeerInfo
@@ -79,6 +84,7 @@ class WriteJob:
     started: float = 0.0      # manager clock when the write started
     aux: wire.Aux | None = None   # what D gets once every byte landed
     aux_in_band: bool = False     # the backend delivers `aux` itself, after the data (NIXL notif)
+    bytes_sent: int = 0           # bytes handed off so far (queued to a socket, copied); grows while it moves
 
     def finish(self) -> None:
         if self.state is WriteState.PENDING:
@@ -126,6 +132,7 @@ class KVSender(ABC):
     failure_reason: str | None
     failure_detail: str
     aux_sent: bool             # every byte landed and aux went out: only D's ack is missing
+    bytes_sent: int            # of this room's write so far (WriteJob.bytes_sent); 0 before send()
     peer_address: str | None   # D's control address once the destination is known
     epoch: int | None
     dest: wire.Destination | None  # D's destination once init() ran
@@ -193,10 +200,14 @@ class TransferManager(ABC):
     """One per worker. Owns the control channel, the peer table and every sender/receiver.
 
     `name` is the registry name; `one_sided` says whether P writes straight into D's pool
-    (then D must quarantine pages of a failed room). `address` is this worker's control
-    address (what the router hands out as P's bootstrap address)."""
+    (then D must quarantine pages of a failed room). `opaque_writes` says that a pending
+    write reports no progress (`bytes_sent` stays 0 until it completes): the lifecycle then
+    never fails it for making none, and only --transfer-timeout bounds a hung one.
+    `address` is this worker's control address (what the router hands out as P's
+    bootstrap address)."""
     name: str
     one_sided: bool
+    opaque_writes: bool
     address: str
     worker_id: str
     incarnation: str

@@ -7,7 +7,11 @@ subclasses it and implements only the data hooks (all optional except where note
   P side (every backend)
     write_start(job)     begin writing job.runs from self.pool into the peer's pool. Never
                          block: finish synchronously with job.finish()/job.fail(detail), or
-                         leave it PENDING and finish it from write_progress.
+                         leave it PENDING and finish it from write_progress. Add the bytes
+                         handed off (queued, copied) to job.bytes_sent as they go: a pending
+                         write whose count stops growing while none of its peer's pages land
+                         is failed within the lease, unless the class sets `opaque_writes`
+                         (its writes report nothing in flight).
     write_progress(job)  called every progress() while job is PENDING.
     write_cancel(job)    the room failed: stop the job. Return True once no byte of it can
                          land anymore (one-sided backends must not lie: a write that may
@@ -87,6 +91,10 @@ class CommonSender(_Endpoint, KVSender):
         self.pending_aux: wire.Aux | None = None
         self.aux_sent = False
         self.stopped_sent = False
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.job.bytes_sent if self.job is not None else 0
 
     def init(self, destination: wire.Destination, src: str) -> None:
         if self.dest is not None:
@@ -276,6 +284,7 @@ class CommonReceiver(_Endpoint, KVReceiver):
 class CommonManager(TransferManager):
     name = "common"
     one_sided = False
+    opaque_writes = False
 
     def __init__(self, layout: KVLayout, transfer: TransferConfig | None = None, *,
                  lifecycle: LifecycleConfig | None = None, clock: Clock | None = None,

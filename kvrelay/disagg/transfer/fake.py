@@ -4,7 +4,7 @@
 `InProcNetwork`), like shm or RDMA, so D must quarantine. `FakeTwoSidedManager` sends the
 bytes as a data frame and D copies them in only after the (room, epoch) owner check, like
 tcp. A write completes on the `write_iters`-th progress() after it starts, so the transfer
-phase is observable.
+phase is observable; its bytes move (and count in `bytes_sent`) only then.
 """
 from __future__ import annotations
 
@@ -71,6 +71,7 @@ class FakeManager(CommonManager):
             return
         for s, d, n in job.runs:
             dst[d:d + n] = self.pool[s:s + n]
+            job.bytes_sent += n
         job.finish()
 
 
@@ -83,6 +84,7 @@ class FakeTwoSidedManager(FakeManager):
         pb = self.layout.page_bytes
         data = b"".join(bytes(self.pool[p * pb:(p + 1) * pb]) for p in job.src_pages)
         if self.channel.send(job.peer.address, FakeKV(job.room, job.epoch, job.dst_pages), [data]):
+            job.bytes_sent += len(data)
             job.finish()
         else:
             job.fail("peer unreachable")

@@ -13,6 +13,11 @@ Invariants:
   (it would burn a core while idle), so progress() pumps the agent on both sides.
 - write_cancel() is True only once the WRITE has reached DONE or ERR: a transfer in
   flight may still land, so D's quarantine holds until then (Stopped is honest).
+- A WRITE in flight is opaque (UCX reports only PROC, DONE or ERR), so `opaque_writes`:
+  P never fails a pending write for showing no progress, since a slow link would look
+  the same as a hung write. A hung one is bounded by --transfer-timeout (its pages on D by
+  the quarantine after it); a WRITE that completed but whose Aux or Ack is missing is
+  still bounded by the lease.
 - The pool's memory outlives its registration (the manager keeps both until close).
 `nixl` is an optional dependency: import this module only when the backend is chosen.
 """
@@ -41,6 +46,7 @@ logging.getLogger("nixl").setLevel(logging.WARNING)
 class NixlManager(CommonManager):
     name = "nixl"
     one_sided = True
+    opaque_writes = True
 
     def __init__(self, layout, transfer=None, **kwargs) -> None:
         super().__init__(layout, transfer, **kwargs)

@@ -6,7 +6,8 @@ Invariants:
 - A write is a memcpy per page run, done synchronously in write_start by the scheduler
   thread (helped by one copy thread for large runs, joined before write_start returns),
   so nothing is ever in flight between two calls: a cancelled job has stopped
-  (write_cancel is always True) and its Stopped is honest. (One copy is not split across
+  (write_cancel is always True) and its Stopped is honest. A job is pending only under
+  the hang fault, and then shows no progress: P fails it within the lease. (One copy is not split across
   iterations: a 256 MiB copy stalls the loop less than the prefill that produced it.)
 - D unlinks its segment on close(); the creating process's resource tracker unlinks it if
   the process dies first. An attaching P never registers the segment (it does not own it).
@@ -177,6 +178,7 @@ class ShmManager(CommonManager):
             job.fail("destination pages lie outside the decode worker's segment")
             return
         copy_runs(dst, src, job.runs)
+        job.bytes_sent += sum(n for _, _, n in job.runs)
         job.finish()
 
     def write_cancel(self, job: WriteJob) -> bool:

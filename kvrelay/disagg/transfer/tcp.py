@@ -14,6 +14,9 @@ Invariants:
   and count as progress in D's heartbeats. So one chunk must cross well within a lease on
   the slowest link served: 128 KiB takes 0.5 s at 2 Mbit/s (the lease is 3 s by default).
   A page bigger than that is still sent whole.
+- While the socket is full the write stays pending; each chunk it takes counts in
+  `job.bytes_sent`, so a write that drains (or whose earlier chunks land at D) is never
+  failed for its length, and one whose socket never drains fails within the lease.
 - P's source pages stay pinned until ack or a terminal failure (the lifecycle's rule), so
   a zero-copy frame never reads pages of another request while the room is live; after a
   failure, whatever bytes still go out are dropped by D's ownership check.
@@ -74,6 +77,7 @@ class TcpManager(CommonManager):
             if not self.channel.send(job.peer.address, header, [src[s:s + n]]):
                 return  # socket full (high-water mark): retry on the next progress()
             pending.popleft()
+            job.bytes_sent += n
         job.handle = None
         job.finish()
 
