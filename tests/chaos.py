@@ -9,9 +9,10 @@ from `random.Random(seed)`: a load of mixed streaming and non-streaming greedy
 completions (some clients leave mid-stream, some abort a plain request), and one or two
 faults: SIGSTOP/SIGCONT of a worker below or above its lease, kill -9 and restart,
 runtime faults through POST /debug/faults, a burst of long requests that saturates the
-small decode pool. When the episode is idle, every invariant is checked (`check_idle`,
-`judge`). The table at the end has one row per seed; a failing seed prints the command
-that replays it and the script exits 1. Only real timing is not reproducible.
+small decode pool (the clients and what they saw: chaos_load.py). When the episode is
+idle, every invariant is checked (`judge`, `leaks`, `fresh_request`). The table at the
+end has one row per seed; a failing seed prints the command that replays it and the
+script exits 1. Only real timing is not reproducible.
 
 Without --prefill, seeds alternate between the two configurations: even seeds on
 1 prefill + 2 decode, odd seeds on 2 prefill + 2 decode.
@@ -19,7 +20,6 @@ Without --prefill, seeds alternate between the two configurations: even seeds on
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import signal
 import sys
@@ -34,13 +34,12 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cluster_helpers import LEASE, Cluster, Proc  # noqa: E402
+from chaos_load import ALL_JOBS, JOBS, LONG_JOBS, Call, run_all, run_plain  # noqa: E402
+from cluster_helpers import LEASE, ROUTER_LEASE, Cluster, Proc  # noqa: E402
 from serving_helpers import gauge, metric_samples  # noqa: E402
 
 # ---------------------------------------------------------------- bounds, in one place
 HEARTBEAT = 0.5                      # --heartbeat-interval of LIFECYCLE_FLAGS; LEASE = 3 of them
-HEALTH_INTERVAL, HEALTH_MISSES = 0.5, 3
-ROUTER_LEASE = HEALTH_INTERVAL * HEALTH_MISSES
 SLACK = 2.5   # this shared 2-core machine: a busy step, a worker loading its model beside us
 # Seconds from a fault's start until a client whose request sat on the faulty worker has
 # its answer (the issue's bounds). A request that had no token yet may instead be retried
@@ -58,6 +57,7 @@ BOUND = {
 # client bound, so a request that only this backstop ended is still a violation.
 TRANSFER_TIMEOUT = 20.0
 QUARANTINE = TRANSFER_TIMEOUT + 1 + SLACK
+SMALL_POOL = "1024"                  # --max-kv-tokens of the last decode worker (64 pages)
 SHORT_STOP = (0.2, 1.0)              # below the lease: requests only pause
 LONG_STOP = (BOUND["stop-decode"] + SLACK + 1, BOUND["stop-decode"] + SLACK + 3)
 
@@ -65,160 +65,6 @@ LONG_STOP = (BOUND["stop-decode"] + SLACK + 1, BOUND["stop-decode"] + SLACK + 3)
 def budget(prompt_tokens: int, max_tokens: int) -> float:
     """A fault-free request's answer time, generous for this machine under the episode's load."""
     return 3.0 + 0.012 * max_tokens + 0.005 * prompt_tokens
-
-
-# ---------------------------------------------------------------- the load
-WORDS = ("the river ran past seven stone bridges while a small dog watched boats carry bread "
-         "salt copper and letters toward the northern harbour where old sailors told stories").split()
-
-
-@dataclass(frozen=True)
-class Job:
-    prompt: str
-    max_tokens: int
-    prompt_tokens: int   # about one per word; only for the budget
-
-
-def _job(k: int, words: int, max_tokens: int) -> Job:
-    text = f"Story {k}: " + " ".join(WORDS[(k * 7 + i) % len(WORDS)] for i in range(words))
-    return Job(text, max_tokens, words + 4)
-
-
-# About 200 tokens/s per stream with 8 streams on this machine: most requests live for
-# 1-4 s, across the faults, which begin 0.5-2.5 s into the episode.
-JOBS = [_job(0, 4, 48), _job(1, 20, 200), _job(2, 60, 400), _job(3, 120, 120), _job(4, 10, 600),
-        _job(5, 180, 300), _job(6, 35, 800), _job(7, 90, 64)]
-LONG_JOBS = [_job(8, 250, 550), _job(9, 200, 650)]   # the saturating burst: ~54 pages each
-ALL_JOBS = JOBS + LONG_JOBS
-SMALL_POOL = "1024"                  # --max-kv-tokens of the last decode worker (64 pages)
-CLIENT_TIMEOUT = 75.0                # above the router's --request-timeout 60: silence is ours to see
-
-
-@dataclass
-class Call:
-    """One client and what it saw."""
-    job: int
-    kind: str            # stream | plain | leave (stream, leaves after `leave_after` chunks) | abort
-    at: float            # offset in the episode
-    leave_after: float = 0.0
-    t_start: float = 0.0
-    t_end: float | None = None
-    rid: str | None = None
-    outcome: str = "none"          # ok | <error code> | left | aborted | none
-    bound: float = 0.0             # when its answer was due (set by `judge`)
-    text: str = ""
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def owed(self) -> bool:
-        return self.outcome not in ("left", "aborted")
-
-
-def _error_code(body) -> str | None:
-    """The code of an OpenAI error body, or None when `body` is not one."""
-    err = body.get("error") if isinstance(body, dict) else None
-    if isinstance(err, dict) and isinstance(err.get("message"), str) and "type" in err and "code" in err:
-        return str(err["code"])
-    return None
-
-
-def _body(job: Job, stream: bool) -> dict:
-    return {"prompt": job.prompt, "max_tokens": job.max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": stream}
-
-
-def run_plain(url: str, call: Call, job: Job) -> None:
-    timeout = httpx.Timeout(CLIENT_TIMEOUT, connect=5, read=call.leave_after or CLIENT_TIMEOUT)
-    try:
-        r = httpx.post(f"{url}/v1/completions", json=_body(job, False), timeout=timeout)
-    except httpx.ReadTimeout:
-        call.t_end = time.monotonic()
-        if call.kind == "abort":
-            call.outcome = "aborted"
-        else:
-            call.problems.append(f"silence: no answer within {CLIENT_TIMEOUT:g} s")
-        return
-    except httpx.HTTPError as exc:
-        call.t_end = time.monotonic()
-        call.problems.append(f"no answer: {type(exc).__name__}: {exc}")
-        return
-    call.t_end = time.monotonic()
-    try:
-        body = r.json()
-    except ValueError:
-        call.problems.append(f"HTTP {r.status_code} without a JSON body: {r.text[:120]!r}")
-        return
-    if r.status_code == 200:
-        call.rid, call.outcome = body.get("id"), "ok"
-        call.text = body["choices"][0]["text"]
-    elif (code := _error_code(body)) is not None:
-        call.outcome = code
-    else:
-        call.problems.append(f"HTTP {r.status_code} without an OpenAI error body: {body}")
-
-
-def run_stream(url: str, call: Call, job: Job) -> None:
-    try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=_body(job, True),
-                          timeout=httpx.Timeout(CLIENT_TIMEOUT, connect=5)) as r:
-            if r.status_code != 200:
-                call.t_end = time.monotonic()
-                try:
-                    code = _error_code(json.loads(r.read()))
-                except ValueError:
-                    code = None
-                if code is None:
-                    call.problems.append(f"HTTP {r.status_code} without an OpenAI error body")
-                call.outcome = code or "none"
-                return
-            _read_events(r, call)
-    except httpx.ReadTimeout:
-        call.problems.append(f"silence: stream quiet for {CLIENT_TIMEOUT:g} s")
-    except httpx.HTTPError as exc:
-        call.problems.append(f"stream broke without [DONE]: {type(exc).__name__}: {exc}")
-    if call.t_end is None:
-        call.t_end = time.monotonic()
-
-
-def _read_events(r: httpx.Response, call: Call) -> None:
-    """One answer: chunks, then [DONE]; or chunks, one error event, [DONE]. Anything else
-    (silence, a second error, data after [DONE]) is a problem."""
-    chunks, error, done = 0, None, False
-    for line in r.iter_lines():
-        if not line.startswith("data: "):
-            continue
-        data = line[6:]
-        if done:
-            call.problems.append(f"data after [DONE]: {data[:80]!r}")
-            continue
-        if data == "[DONE]":
-            done, call.t_end = True, time.monotonic()
-            continue
-        event = json.loads(data)
-        if error is not None:
-            call.problems.append(f"event after the error event: {data[:80]!r}")
-        if "error" in event:
-            error = _error_code(event)
-            if error is None:
-                call.problems.append(f"error event without an OpenAI error body: {data[:120]!r}")
-                error = "none"
-            continue
-        chunks += 1
-        call.rid = event.get("id", call.rid)
-        call.text += "".join(ch["text"] for ch in event["choices"])
-        if call.kind == "leave" and chunks >= call.leave_after:
-            call.t_end, call.outcome = time.monotonic(), "left"
-            return
-    if not done:
-        call.problems.append("stream ended without [DONE]")
-    else:
-        call.outcome = error or "ok"
-
-
-def run_call(url: str, call: Call, t_zero: float) -> None:
-    time.sleep(max(0.0, t_zero + call.at - time.monotonic()))
-    call.t_start = time.monotonic()
-    (run_stream if call.kind in ("stream", "leave") else run_plain)(url, call, ALL_JOBS[call.job])
 
 
 # ---------------------------------------------------------------- the faults
@@ -444,7 +290,7 @@ class Harness:
         c.decode[-1].argv += ["--max-kv-tokens", SMALL_POOL]   # argparse: the last value wins
         for p in c.workers:
             p.argv += ["--transfer-timeout", str(TRANSFER_TIMEOUT), *self.worker_flags]
-        c.router.argv += ["--request-timeout", "60", *router_lease_flags(), *self.router_flags]
+        c.router.argv += ["--request-timeout", "60", *self.router_flags]
         self.cluster = c.start()
         self.refs = self.references()
 
@@ -503,24 +349,6 @@ class Harness:
             p.signal(signal.SIGCONT)
         c.set_faults(c.workers, "")
         c.wait_router_sees_all()
-
-
-def router_lease_flags() -> list[str]:
-    """--health-misses where the router has it (issue #9 item 1)."""
-    from kvrelay.core.config import RouterConfig
-
-    if "health_misses" not in RouterConfig.__dataclass_fields__:
-        return []
-    return ["--health-interval", str(HEALTH_INTERVAL), "--health-misses", str(HEALTH_MISSES)]
-
-
-def run_all(url: str, calls: list[Call], t_zero: float | None = None) -> None:
-    t_zero = time.monotonic() if t_zero is None else t_zero
-    threads = [threading.Thread(target=run_call, args=(url, c, t_zero), daemon=True) for c in calls]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(CLIENT_TIMEOUT + 30)
 
 
 def tiny_model_dir() -> Path:
