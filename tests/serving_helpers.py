@@ -7,7 +7,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -38,22 +40,26 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, output) -> No
 
 @contextlib.contextmanager
 def running_server(*args: str, ready_timeout: float = 180.0):
-    """Start `python -m kvrelay serve ...` on a free port; yield its base URL; stop it."""
+    """Start `python -m kvrelay serve ...` on a free port; yield its base URL; stop it. Its
+    output goes to a file: a pipe nobody reads would fill up under logging and block it."""
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "kvrelay", "serve", "--port", str(port), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, ready_timeout, lambda: proc.stdout.read() if proc.poll() is not None else "")
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
+    with tempfile.TemporaryDirectory(prefix="kvrelay-serve-") as tmp:
+        log = Path(tmp) / "serve.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "kvrelay", "serve", "--port", str(port), *args],
+                                    stdout=out, stderr=subprocess.STDOUT, env=env)
+        url = f"http://127.0.0.1:{port}"
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            wait_healthy(proc, url, ready_timeout, lambda: log.read_text(errors="replace"))
+            yield url
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def metric_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

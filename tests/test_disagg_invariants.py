@@ -228,7 +228,9 @@ def test_decode_restart_fails_prefill_rooms(backend, phase):
         assert H.run_until(lambda: H.event("P", 1) is not None, 2 * LEASE)
         t, ev = H.event("P", 1)
         assert (ev.phase, ev.reason) == ("failed", "peer_failed"), ev
-        assert t <= t_restart + LEASE + DT + 1e-9
+        # The old incarnation's last heartbeat may still be on a real socket at the restart
+        # and be heard one step later; its lease then ends one step later too.
+        assert t <= t_restart + LEASE + 2 * DT + 1e-9
         H.request(2)  # the new incarnation serves new traffic
         H.complete(2)
         H.assert_no_leak()

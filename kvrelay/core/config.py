@@ -61,9 +61,15 @@ class ServerConfig:
     host: str = _f("127.0.0.1", "address to listen on")
     port: int = _f(8000, "port to listen on")
     log_level: str = _f("info", "log level", choices=("debug", "info", "warning", "error"))
+    timeout_keep_alive: float = _f(5.0, "seconds an idle keep-alive HTTP connection is kept open before "
+                                   "it is closed (slow or idle clients hold no connection longer)")
+    limit_concurrency: int = _f(2048, "most HTTP connections and requests handled at once; beyond it new "
+                                "ones get 503 (above the router's 2 x --max-queued-requests legs per worker)")
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "--port must be between 0 and 65535")
+        _require(self.timeout_keep_alive > 0, "--timeout-keep-alive must be positive")
+        _require(self.limit_concurrency >= 1, "--limit-concurrency must be at least 1")
 
 
 @dataclass(frozen=True)

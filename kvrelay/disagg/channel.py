@@ -8,21 +8,35 @@ Contract (every implementation):
 - Messages between one pair of channels arrive in send order, at most once (a
   FaultyChannel in front may break both on purpose).
 - Extra `frames` are raw bytes (bulk KV data); they pass through untouched.
+- `recv()` returns only frames that `wire.decode` accepted. A rejected one is dropped,
+  counted in kvrelay_rejected_input_total{surface="control",reason=<WireError.reason>}
+  and logged at debug on `kvrelay.input` ("rejected input", with surface, reason, detail,
+  src); it never raises into the caller's loop.
+- A send never creates a socket to something that is not a valid tcp endpoint, the
+  sockets a channel keeps are capped (least recently used closed first), and a connect
+  that fails drops that one message (send returns False), nothing else.
 """
 from __future__ import annotations
 
+import logging
 import time
 from abc import ABC, abstractmethod
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Sequence
 
 from kvrelay.disagg import wire
+from kvrelay.obs.metrics import reject_input
+
+log = logging.getLogger("kvrelay.channel")
 
 Frame = bytes | bytearray | memoryview
 
 # Frames at least this big go to zmq without a copy.
 ZERO_COPY_MIN = 64 * 1024
+# PUSH sockets one channel keeps open (one per peer it sends to); zmq's own limit is 1023
+# sockets per context, and peers above this are reconnected on their next send.
+MAX_SOCKETS = 256
 
 
 @dataclass(frozen=True)
@@ -103,24 +117,30 @@ _EVENTS, _POLLIN, _RCVMORE = 15, 1, 13
 
 class ZmqChannel(Channel):
     """One PULL socket bound at tcp://host:port; one PUSH socket per peer, connected on
-    first send. All sends are NOBLOCK with linger 0: a full or dead peer drops messages
-    rather than stalling the scheduler loop."""
+    first send (at most `max_sockets`, least recently used closed first). All sends are
+    NOBLOCK with linger 0: a full or dead peer drops messages rather than stalling the
+    scheduler loop. `max_msg_size` (bytes, per frame) makes zmq drop a connection that
+    announces a bigger frame as soon as its length arrives, before buffering it."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, hwm: int = 10_000) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, hwm: int = 10_000,
+                 max_msg_size: int | None = None, max_sockets: int = MAX_SOCKETS) -> None:
         import zmq
 
         self._zmq = zmq
         self._ctx = zmq.Context.instance()
         self._hwm = hwm
+        self._max_sockets = max_sockets
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, hwm)
+        if max_msg_size is not None:
+            self._pull.setsockopt(zmq.MAXMSGSIZE, max_msg_size)
         if port == 0:
             port = self._pull.bind_to_random_port(f"tcp://{host}")
         else:
             self._bind(f"tcp://{host}:{port}")
         self.address = f"tcp://{host}:{port}"
-        self._push: dict[str, object] = {}
+        self._push: OrderedDict[str, object] = OrderedDict()  # least recently used first
 
     def _bind(self, endpoint: str, attempts: int = 200) -> None:
         """zmq closes sockets in its I/O thread, so a port closed a moment ago (a restart at
@@ -135,26 +155,51 @@ class ZmqChannel(Channel):
                 time.sleep(0.01)
 
     def _socket(self, dst: str):
+        """The PUSH socket to `dst`, or None when `dst` is not a tcp endpoint or cannot be
+        connected (that message is lost; the lifecycle treats it like any loss)."""
         sock = self._push.get(dst)
-        if sock is None:
-            zmq = self._zmq
+        if sock is not None:
+            self._push.move_to_end(dst)
+            return sock
+        if not wire.valid_endpoint(dst, ("tcp",)):
+            log.warning("not sending to %r: not a tcp://host:port address", dst[:100])
+            return None
+        while len(self._push) >= self._max_sockets:
+            self.forget(next(iter(self._push)))
+        zmq = self._zmq
+        try:
             sock = self._ctx.socket(zmq.PUSH)
+        except zmq.ZMQError as e:  # e.g. too many open files: this send fails, not the loop
+            log.warning("cannot open a socket to %s: %s", dst, e)
+            return None
+        try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, self._hwm)
             sock.setsockopt(zmq.RECONNECT_IVL, 10)  # ms: a restarted peer is reached fast
             sock.connect(dst)
-            self._push[dst] = sock
+        except zmq.ZMQError as e:
+            sock.close(linger=0)
+            log.warning("cannot connect to %s: %s", dst, e)
+            return None
+        self._push[dst] = sock
         return sock
 
     def send(self, dst: str, msg: wire.Message, frames: Sequence[Frame] = ()) -> bool:
         zmq = self._zmq
+        sock = self._socket(dst)
+        if sock is None:
+            return False
         parts = [wire.encode(msg, self.address), *frames]
         big = any(len(memoryview(f)) >= ZERO_COPY_MIN for f in frames)
         try:
-            self._socket(dst).send_multipart(parts, flags=zmq.NOBLOCK, copy=not big)
+            sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=not big)
             return True
         except zmq.Again:
             return False
+
+    def sockets(self) -> list[str]:
+        """Addresses this channel holds a PUSH socket to (introspection, tests)."""
+        return list(self._push)
 
     def recv(self, max_n: int = 10_000) -> list[Received]:
         zmq = self._zmq
@@ -170,9 +215,10 @@ class ZmqChannel(Channel):
             while self._pull.getsockopt(_RCVMORE):  # bulk data: zero-copy
                 frames.append(self._pull.recv(copy=False).buffer)
             try:
-                src, msg = wire.decode(header)
-            except wire.WireError:
-                continue  # a foreign or corrupt frame never stops the loop
+                src, msg = wire.decode(header, schemes=("tcp",))
+            except wire.WireError as e:  # a foreign or corrupt frame never stops the loop
+                reject_input("control", e.reason, e.detail)
+                continue
             out.append(Received(src, msg, tuple(frames)))
         return out
 

@@ -62,6 +62,9 @@ class DecodeSide(Coordinator):
         """Admit a request whose KV (n_pages pages) comes from the P at prefill_address."""
         r = self.lc.add(room, rid, peer=prefill_address)
         r.data["n_pages"] = n_pages
+        if not wire.valid_endpoint(prefill_address):  # never connected to: fails this room only
+            self._fail(r, Reason.INVALID_REQUEST.value, f"prefill address {repr(prefill_address)[:100]} is not an endpoint")
+            return
         self.leases.expect(prefill_address)
         rcv = self._receivers[room] = self.manager.receiver(room)
         rcv.init(prefill_address)

@@ -3,9 +3,19 @@
 Phase gauges are not incremented and decremented by hand: they are computed at scrape
 time from a snapshot of the live requests, so `/metrics` can never drift from
 `/debug/requests` (both read the same state).
+
+Rejected input: every decoder that drops something from the network calls
+`reject_input(surface, reason, detail)`. It counts
+    kvrelay_rejected_input_total{surface="control",reason="bad_field"} 1.0
+(one process-wide counter, exported by every ServingMetrics registry) and logs at debug:
+    kvrelay.input DEBUG rejected input  surface=control reason=bad_field detail="room: expected an integer, got dict"
+Surfaces: "control" (wire frames on a worker's control port), "transfer" (KV data
+frames), "http". Reasons are short codes (bad_field, bad_src, too_large, unknown_kind,
+unknown_peer, ...); the detail is for the log only, never a label.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -13,6 +23,31 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_input_log = logging.getLogger("kvrelay.input")
+
+REJECTED_INPUT = Counter("kvrelay_rejected_input", "Input from the network dropped by a decoder or admission check",
+                         ["surface", "reason"], registry=None)
+
+
+def reject_input(surface: str, reason: str, detail: str = "", src: str = "") -> None:
+    """Count and log (debug) one dropped piece of input. Never raises."""
+    REJECTED_INPUT.labels(surface, reason).inc()
+    if _input_log.isEnabledFor(logging.DEBUG):
+        _input_log.debug("rejected input", extra={"surface": surface, "reason": reason,
+                                                  "detail": detail[:200], "src": src[:100]})
+
+
+def rejected_count(surface: str, reason: str | None = None) -> float:
+    """Current total for a surface (and reason): for tests and debug views."""
+    total = 0.0
+    for metric in REJECTED_INPUT.collect():
+        for s in metric.samples:
+            if (s.name.endswith("_total") and s.labels.get("surface") == surface
+                    and reason in (None, s.labels.get("reason"))):
+                total += s.value
+    return total
+
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -62,6 +97,7 @@ class ServingMetrics:
         self.role = role
         self.registry = CollectorRegistry()
         self.registry.register(_SnapshotCollector(role, phases, snapshot))
+        self.registry.register(REJECTED_INPUT)
         self.finished = Counter("kvrelay_requests_finished", "Requests that reached a terminal state",
                                 ["role", "outcome", "reason"], registry=self.registry)
         self.phase_seconds = Histogram("kvrelay_phase_duration_seconds", "Time spent in each phase",

@@ -2,10 +2,16 @@
 
 Every error the API returns has the body `{"error": {"message", "type", "param", "code"}}`,
 whatever raised it: request validation (FastAPI's 422 becomes 400), our own checks,
-`RequestRejected` from the engine, unknown routes, or a bug (500; the server keeps serving).
+`RequestRejected` from the engine, unknown routes, a body over `MAX_BODY_BYTES` (413) or
+one that arrives too slowly (408), or a bug (500; the server keeps serving).
+
+Every JSON body goes out through `SafeJSONResponse`: text that cannot be encoded as UTF-8
+(a lone UTF-16 surrogate) is replaced, never raised.
 """
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 from typing import Any
 
@@ -16,11 +22,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay.engine.types import RequestRejected
 
+from kvrelay.obs.metrics import reject_input
+
 log = logging.getLogger("kvrelay.server")
+
+# A request body larger than this is refused with 413 before it is parsed; one that has
+# not fully arrived within BODY_TIMEOUT_S is refused with 408. 4 MiB holds the longest
+# legal prompt as token ids (~7 bytes each) for a 500k-token context.
+MAX_BODY_BYTES = 4 * 1024 * 1024
+BODY_TIMEOUT_S = 30.0
 
 # HTTP status -> OpenAI error type.
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error"}
+          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 503: "overloaded_error"}
 
 # A request that failed for a reason in the serving system (a worker died, a transfer
 # failed, a phase deadline passed before any token, no capacity) is worth retrying:
@@ -75,9 +90,41 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 
+def scrub(text: str) -> str:
+    """`text` made encodable as UTF-8: surrogate pairs are joined, lone surrogates become
+    U+FFFD. The common case (nothing to fix) costs one encode."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def json_text(payload: Any) -> str:
+    """Compact JSON whose text always encodes as UTF-8 (surrogates only occur inside JSON
+    strings, so scrubbing the whole text keeps it valid JSON)."""
+    return scrub(json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")))
+
+
+class SafeJSONResponse(JSONResponse):
+    """A JSONResponse that never fails on text that cannot be encoded (see `scrub`)."""
+
+    def render(self, content: Any) -> bytes:
+        return json_text(content).encode("utf-8")
+
+
 def error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse(error_body(err.status, err.message, err.param, err.code), status_code=err.status,
-                        headers=err.headers)
+    if err.status in (400, 408, 413):   # kvrelay_rejected_input_total{surface="http",reason}
+        reject_input("http", _REJECT_REASONS.get(err.code or "", "bad_field"), err.message)
+    return SafeJSONResponse(error_body(err.status, err.message, err.param, err.code), status_code=err.status,
+                            headers=err.headers)
+
+
+# Reasons of kvrelay_rejected_input_total{surface="http"}: a closed set of short codes
+# (every other 400 is a field out of its type or range: bad_field).
+_REJECT_REASONS = {"invalid_json": "bad_json", "invalid_body": "bad_body", "body_too_large": "too_large",
+                   "body_timeout": "slow_body", "context_length_exceeded": "too_long", "invalid_text": "bad_text",
+                   "invalid_address": "bad_address", "too_many": "too_many"}
 
 
 def from_failed_output(error: str | None) -> OpenAIError:
@@ -105,6 +152,10 @@ def _param_of(loc: tuple) -> str | None:
     return out or None
 
 
+def _depth(loc: tuple) -> int:
+    return sum(1 for p in loc if p != "body" and (isinstance(p, int) or not _is_type_tag(p)))
+
+
 def _is_type_tag(part: str) -> bool:
     # Union members show up in the location as type names ("str", "list[int]", "function-after[...]").
     return "[" in part or part in {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -112,7 +163,9 @@ def _is_type_tag(part: str) -> bool:
 
 def from_validation(exc: RequestValidationError) -> OpenAIError:
     errors = exc.errors()
-    first = errors[0] if errors else {}
+    # A union field fails once per member: name the deepest field (the member that got
+    # furthest, e.g. messages[0].content[0].text rather than messages[0].content).
+    first = max(errors, key=lambda e: _depth(tuple(e.get("loc", ()))), default={})
     if first.get("type") == "json_invalid":
         return invalid("We could not parse the JSON body of your request: "
                        f"{first.get('ctx', {}).get('error', 'invalid JSON')}", None, "invalid_json")
@@ -126,7 +179,64 @@ def from_validation(exc: RequestValidationError) -> OpenAIError:
     return invalid(f"{param}: {message}" if param else message, param, first.get("type"))
 
 
-def install_handlers(app: FastAPI) -> None:
+class BodyLimit:
+    """ASGI middleware: read the whole request body before the app sees it, answering 413
+    (declared or actual size over `max_bytes`) or 408 (not complete within `timeout_s`)
+    without calling the app; then replay it, and pass every later message (the
+    `http.disconnect` a streaming route waits for) straight through."""
+
+    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES, timeout_s: float = BODY_TIMEOUT_S) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = OpenAIError(413, f"the request body is larger than {self.max_bytes} bytes", None, "body_too_large")
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(too_large, scope, receive, send)
+            return
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return   # the client left before its request was complete: nothing to answer
+                    body = message.get("body", b"")
+                    size += len(body)
+                    if size > self.max_bytes:
+                        await self._refuse(too_large, scope, receive, send)
+                        return
+                    chunks.append(body)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            await self._refuse(OpenAIError(408, f"the request body did not arrive within {self.timeout_s:g} s",
+                                           None, "body_timeout"), scope, receive, send)
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _refuse(err: OpenAIError, scope, receive, send) -> None:
+        response = error_response(err)
+        response.headers["connection"] = "close"
+        await response(scope, receive, send)
+
+
+def install_handlers(app: FastAPI, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+
     @app.exception_handler(OpenAIError)
     async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
         return error_response(exc)

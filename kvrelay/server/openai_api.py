@@ -10,15 +10,16 @@ import uuid
 from typing import Any, Callable, Iterable
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from starlette.routing import BaseRoute
 
 from kvrelay.engine.types import EngineClient, FinishReason, GenerateRequest, StepOutput
-from kvrelay.server.errors import from_failed_output, install_handlers, invalid, model_not_found
+from kvrelay.server.errors import (SafeJSONResponse, from_failed_output, install_handlers, invalid,
+                                   model_not_found)
 from kvrelay.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
                                      CompletionRequest, CompletionResponse, ModelCard, ModelList, Usage,
-                                     chat_logprobs, completion_logprobs, now)
+                                     chat_logprobs, completion_logprobs, is_text, now)
 from kvrelay.server.sse import Collected, Renderer, RequestStream, abort_on_disconnect, collect, sse_events
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
@@ -73,7 +74,7 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_common(body)
         prompt = body.single_prompt()
-        ids = self.tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self._encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
         max_tokens = self._max_tokens(body.max_tokens, len(ids), COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
         greq = GenerateRequest(f"cmpl-{uuid.uuid4().hex}", tuple(ids), body.sampling_params(max_tokens, body.logprobs),
                                whole=not body.stream)
@@ -105,7 +106,15 @@ class OpenAIServing:
         # The rendered template already holds the special tokens it wants (BOS included
         # when the model uses one), so the tokenizer adds its own only if BOS is missing.
         bos = getattr(self.tok, "bos_token", None)
-        return self.tok.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+        return self._encode(text, "messages", add_special_tokens=not (bos and text.startswith(bos)))
+
+    def _encode(self, text: object, param: str, **kwargs) -> list[int]:
+        """Token ids of `text`. The models in protocol.py already refuse text that is not
+        valid Unicode; this is the last check before the tokenizer (a rendered chat
+        template holds more than the fields: whatever it holds must be text, too)."""
+        if not isinstance(text, str) or not is_text(text):
+            raise invalid(f"{param}: must be valid Unicode text", param, "invalid_text")
+        return self.tok.encode(text, **kwargs)
 
     def _max_tokens(self, requested: int | None, prompt_len: int, cap: int | None, prompt_param: str) -> int:
         limit = self.client.max_model_len
@@ -134,7 +143,7 @@ class OpenAIServing:
                     got = await collect(rs)
             finally:
                 await rs.close()
-            return JSONResponse(render.response(got, rs.usage()))
+            return SafeJSONResponse(render.response(got, rs.usage()))
         handed_over = False
         try:
             # Wait for the first output before the 200 goes out, so that a rejected or

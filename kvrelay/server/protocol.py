@@ -3,25 +3,74 @@ bad field becomes a 400 naming that field) and responses.
 
 Extensions beyond OpenAI's API: `top_k`, `stop_token_ids`, `ignore_eos`. Unknown fields
 are ignored, as most OpenAI-compatible servers do.
+
+Validation at the edge: every string the engine or the tokenizer will see must be valid
+Unicode (a lone UTF-16 surrogate such as "\ud800" is a 400 naming its field), and every
+list or number the engine sizes something by is bounded here (`MAX_STOPS`,
+`MAX_STOP_CHARS`, `MAX_STOP_TOKEN_IDS`, token ids below `TOKEN_ID_LIMIT`, `SEED_LIMIT`).
 """
 from __future__ import annotations
 
 import time
 from typing import Annotated, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from kvrelay.engine.types import SamplingParams, TokenLogprob
 from kvrelay.server.errors import invalid
 
 MAX_LOGPROBS = 5
+MAX_STOPS = 16                 # stop strings per request (OpenAI allows 4)
+MAX_STOP_CHARS = 512           # characters per stop string
+MAX_STOP_TOKEN_IDS = 256       # stop_token_ids per request
+TOKEN_ID_LIMIT = 2**31         # every token id is in [0, 2**31); the vocabulary check comes later
+SEED_LIMIT = 2**64             # |seed| < 2**64
+TOP_K_LIMIT = 2**31
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-TokenIds = list[Annotated[int, Field(ge=0)]]
+TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]
+TokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
 
 
 def _unsupported(message: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported_value", message)
+
+
+def is_text(s: str) -> bool:
+    """False for a string that cannot be encoded as UTF-8 (it holds a lone surrogate)."""
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _bad_text() -> PydanticCustomError:
+    return PydanticCustomError("invalid_text", "must be valid Unicode text (it holds a lone UTF-16 surrogate)")
+
+
+def _check_text(s: str) -> str:
+    if not is_text(s):
+        raise _bad_text()
+    return s
+
+
+def _check_nested_text(v: object, depth: int = 0) -> None:
+    """Every string in a JSON value (dict keys included) is valid Unicode."""
+    if depth > 32:
+        raise PydanticCustomError("too_deep", "is nested too deeply")
+    if isinstance(v, str):
+        _check_text(v)
+    elif isinstance(v, dict):
+        for k, item in v.items():
+            _check_nested_text(k, depth + 1)
+            _check_nested_text(item, depth + 1)
+    elif isinstance(v, list):
+        for item in v:
+            _check_nested_text(item, depth + 1)
+
+
+Text = Annotated[str, AfterValidator(_check_text)]
 
 
 class StreamOptions(BaseModel):
@@ -32,11 +81,11 @@ class _SamplingFields(BaseModel):
     """Fields shared by both endpoints; `sampling_params` turns them into the engine's."""
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
+    model: Text | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="extension; 0 or -1: no top-k cut")
-    seed: int | None = None
+    top_k: int = Field(0, ge=-1, lt=TOP_K_LIMIT, description="extension; 0 or -1: no top-k cut")
+    seed: int | None = Field(None, gt=-SEED_LIMIT, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
@@ -45,6 +94,22 @@ class _SamplingFields(BaseModel):
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_bounds(cls, v: object) -> object:
+        # Checked by hand so that every error names `stop` (not `stop[3]` or a union member).
+        stops = [v] if isinstance(v, str) else v
+        if isinstance(stops, list):
+            if len(stops) > MAX_STOPS:
+                raise PydanticCustomError("too_many", f"at most {MAX_STOPS} stop strings are allowed; got {len(stops)}")
+            for s in stops:
+                if isinstance(s, str):
+                    if len(s) > MAX_STOP_CHARS:
+                        raise PydanticCustomError("too_long", f"a stop string may be at most {MAX_STOP_CHARS} "
+                                                  f"characters long; one has {len(s)}")
+                    _check_text(s)
+        return v
 
     @field_validator("n")
     @classmethod
@@ -86,13 +151,15 @@ class CompletionRequest(_SamplingFields):
     def _prompt_shape(cls, v: object) -> object:
         # Checked by hand: a union's per-member errors would not say what is wrong.
         if isinstance(v, str):
-            return v
+            return _check_text(v)
         if not isinstance(v, list):
             raise PydanticCustomError("prompt_type", "prompt must be a string or a list of token ids")
         for item in (v[0] if len(v) == 1 and isinstance(v[0], list) else v):
-            if type(item) is int and item < 0:
-                raise PydanticCustomError("token_id", "token ids must be >= 0")
-            if type(item) not in (int, str) and not isinstance(item, list):
+            if type(item) is int and not 0 <= item < TOKEN_ID_LIMIT:
+                raise PydanticCustomError("token_id", f"token ids must be in [0, 2**31); got {item}")
+            if type(item) is str:
+                _check_text(item)
+            elif type(item) is not int and not isinstance(item, list):
                 raise PydanticCustomError("prompt_type", "prompt must be a string or a list of token ids")
         return v
 
@@ -123,14 +190,20 @@ class CompletionRequest(_SamplingFields):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")   # name, tool_calls, ...: handed to the template
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
+
+    @model_validator(mode="after")
+    def _extra_text(self) -> "ChatMessage":
+        # The extra fields reach the chat template and the tokenizer: the same text rule.
+        _check_nested_text(self.model_extra or {})
+        return self
 
     def template_dict(self) -> dict:
         d = self.model_dump(exclude_none=True)

@@ -39,7 +39,7 @@ from kvrelay.server.errors import OpenAIError, StartupError, retry_headers
 from kvrelay.server.observe import observability_router
 from kvrelay.server.openai_api import build_openai_app
 from kvrelay.server.pairing import NoPair, Pair, WorkerTable
-from kvrelay.server.startup import stop_on_sigterm
+from kvrelay.server.startup import stop_on_sigterm, uvicorn_options
 from kvrelay.server.worker_client import (ABORT_TIMEOUT, PEER_FAILED, LegFailure, WorkerAPI, WorkerMonitor,
                                           failure_of)
 from kvrelay.server.worker_protocol import LegRequest, WireSampling
@@ -421,8 +421,7 @@ async def run_router(config: KVRelayConfig, table: WorkerTable, tokenizer,
         monitor = WorkerMonitor(table, api, cfg)
         model, max_model_len = await monitor.wait_ready(config.cluster.startup_timeout, table.clock)
         router = RouterClient(cfg, table, api, monitor, tokenizer, model, max_model_len, table.clock)
-        server = uvicorn.Server(uvicorn.Config(router_app(router), host=srv.host, port=srv.port,
-                                               log_level=srv.log_level, access_log=False,
+        server = uvicorn.Server(uvicorn.Config(router_app(router), **uvicorn_options(srv),
                                                timeout_graceful_shutdown=SHUTDOWN_GRACE))
         print(banner(router), flush=True)
         health = asyncio.create_task(monitor.run())

@@ -8,7 +8,6 @@ leaves the engine whether the client reads to the end, disconnects, or the handl
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from abc import ABC, abstractmethod
 from contextlib import asynccontextmanager
@@ -19,7 +18,7 @@ import anyio
 from starlette.requests import Request
 
 from kvrelay.engine.types import EngineClient, FinishReason, GenerateRequest, StepOutput, TokenLogprob
-from kvrelay.server.errors import error_body, from_failed_output
+from kvrelay.server.errors import error_body, from_failed_output, json_text
 from kvrelay.server.protocol import Usage
 
 log = logging.getLogger("kvrelay.server")
@@ -28,7 +27,9 @@ DONE = "data: [DONE]\n\n"
 
 
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    """One event. Text that cannot be encoded as UTF-8 is replaced (`errors.scrub`): an
+    odd output never breaks the stream."""
+    return f"data: {json_text(payload)}\n\n"
 
 
 class RequestStream:

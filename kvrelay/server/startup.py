@@ -41,6 +41,15 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
+def uvicorn_options(srv: ServerConfig) -> dict:
+    """The uvicorn settings every serving command shares: where to listen, and the
+    connection limits (an idle keep-alive connection is closed after
+    --timeout-keep-alive; beyond --limit-concurrency connections and requests, new ones
+    get 503). Request bodies are bounded by the apps themselves (`errors.BodyLimit`)."""
+    return dict(host=srv.host, port=srv.port, log_level=srv.log_level, access_log=False,
+                timeout_keep_alive=srv.timeout_keep_alive, limit_concurrency=srv.limit_concurrency)
+
+
 def run_uvicorn(app, srv: ServerConfig) -> None:
     stop_on_sigterm()
-    uvicorn.run(app, host=srv.host, port=srv.port, log_level=srv.log_level, access_log=False)
+    uvicorn.run(app, **uvicorn_options(srv))

@@ -12,7 +12,7 @@ import logging
 from typing import AsyncIterator
 
 from fastapi import APIRouter, FastAPI
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.disagg.decode_worker import DecodeCore

@@ -12,31 +12,77 @@ Worker endpoints (prefill and decode alike):
     GET  /health     -> WorkerHealth (load figures for pairing)
     GET  /metrics, GET /debug/requests
     POST /debug/faults FaultsRequest -> replaces the worker's fault-injection spec
+
+Validation at the edge: every field of a leg is typed strictly and bounded here, so a body
+the engine loop could choke on (an unparseable `prefill_address`, a token id past 2**31, a
+thousand stop strings) is a 400 naming the field before any line streams. The NDJSON
+lines are written so that they always encode (`output_to_json`) and read so that any
+malformed line is a ValueError (`output_from_json`): the router fails that leg only.
 """
 from __future__ import annotations
 
-import json
-from typing import Literal
+import ipaddress
+import math
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from kvrelay.engine.types import FinishReason, SamplingParams, StepOutput, TokenLogprob
+from kvrelay.server.errors import json_text
+from kvrelay.server.protocol import (MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, SEED_LIMIT,
+                                     TOKEN_ID_LIMIT, TOP_K_LIMIT, Text)
 
 MAX_ROOM = 2**63 - 1
+MAX_RID_CHARS = 200
+MAX_ADDRESS_CHARS = 300
+MAX_PROMPT_IDS = 1 << 20       # far above any context length; the engine checks max_model_len
+RID_RE = re.compile(r"[A-Za-z0-9._:@+=-]+")
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+_STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]
+Stop = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
+
+
+def _bad_address(why: str) -> PydanticCustomError:
+    return PydanticCustomError("invalid_address", "must be tcp://host:port ({why})", {"why": why})
+
+
+def check_endpoint(address: str) -> str:
+    """`address` if it is a syntactically valid `tcp://host:port` (host a DNS name, an IPv4
+    address or a bracketed IPv6 address; port 1-65535), else a validation error."""
+    if len(address) > MAX_ADDRESS_CHARS:
+        raise _bad_address(f"longer than {MAX_ADDRESS_CHARS} characters")
+    if not address.startswith("tcp://"):
+        raise _bad_address("the scheme is not tcp://")
+    host, sep, port = address[len("tcp://"):].rpartition(":")
+    if not sep or not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise _bad_address("no valid port")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise _bad_address("not a valid IPv6 address") from None
+    elif not host or len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in host.split(".")):
+        raise _bad_address("not a valid host name or IPv4 address")
+    return address
 
 
 class WireSampling(BaseModel):
-    max_tokens: int = Field(ge=1)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
+    model_config = _STRICT
+
+    max_tokens: int = Field(ge=1, lt=TOKEN_ID_LIMIT)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, lt=TOP_K_LIMIT)
+    seed: int | None = Field(None, gt=-SEED_LIMIT, lt=SEED_LIMIT)
+    stop: list[Stop] = Field([], max_length=MAX_STOPS)
+    stop_token_ids: list[TokenId] = Field([], max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @classmethod
     def of(cls, p: SamplingParams) -> "WireSampling":
@@ -51,22 +97,42 @@ class WireSampling(BaseModel):
         return SamplingParams(**d)
 
 
+def _check_rid(rid: str) -> str:
+    if not RID_RE.fullmatch(rid):
+        raise PydanticCustomError("invalid_rid", "may hold only letters, digits and . _ : @ + = -")
+    return rid
+
+
+Rid = Annotated[str, Field(min_length=1, max_length=MAX_RID_CHARS), AfterValidator(_check_rid)]
+
+
 class LegRequest(BaseModel):
     """One leg of a disaggregated request. `prefill_address` (decode legs only) is P's
-    control address, from P's WorkerHealth.transfer_address."""
-    rid: str = Field(min_length=1, max_length=200)
+    control address, from P's WorkerHealth.transfer_address: `tcp://host:port`."""
+    model_config = _STRICT
+
+    rid: Rid
     room: int = Field(ge=1, le=MAX_ROOM)
-    prompt_ids: list[int] = Field(min_length=1)
+    prompt_ids: list[TokenId] = Field(min_length=1, max_length=MAX_PROMPT_IDS)
     sampling: WireSampling
     prefill_address: str | None = None
 
+    @field_validator("prefill_address")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        return None if v is None else check_endpoint(v)
+
 
 class AbortRequest(BaseModel):
-    rid: str
+    model_config = _STRICT
+
+    rid: Rid
 
 
 class FaultsRequest(BaseModel):
-    spec: str = ""   # disagg.faults syntax; "" switches faults off
+    model_config = _STRICT
+
+    spec: str = Field("", max_length=4096)   # disagg.faults syntax; "" switches faults off
 
 
 class WorkerHealth(BaseModel):
@@ -84,19 +150,48 @@ class WorkerHealth(BaseModel):
     total_pages: int
 
 
+def _finite(x: float) -> float | None:
+    # JSON has no -inf/nan: a -inf logprob travels as null and comes back as -inf.
+    return x if math.isfinite(x) else None
+
+
 def output_to_json(out: StepOutput) -> str:
-    return json.dumps({
+    """One NDJSON line. Never raises on odd text: a lone surrogate becomes U+FFFD."""
+    return json_text({
         "rid": out.rid, "token_ids": out.token_ids, "text": out.text,
-        "logprobs": [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in out.logprobs],
+        "logprobs": [[lp.token_id, _finite(lp.logprob), [[t, _finite(v)] for t, v in lp.top]] for lp in out.logprobs],
         "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
         "finish_reason": out.finish_reason.value if out.finish_reason is not None else None,
-        "error": out.error}, ensure_ascii=False, separators=(",", ":")) + "\n"
+        "error": out.error}) + "\n"
+
+
+class _Line(BaseModel):
+    """The shape of one NDJSON line (strict: a wrong type is a malformed line)."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    rid: str = Field(max_length=MAX_RID_CHARS + 16)
+    token_ids: list[TokenId]
+    text: str
+    logprobs: list[tuple[TokenId, float | None, list[tuple[TokenId, float | None]]]]
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    finish_reason: FinishReason | None
+    error: str | None
+
+
+def _logprob(x: float | None) -> float:
+    return -math.inf if x is None else x
 
 
 def output_from_json(line: str | bytes) -> StepOutput:
-    d = json.loads(line)
+    """The StepOutput of one NDJSON line. Raises ValueError for anything else (not JSON,
+    not an object, a field missing or of the wrong type)."""
+    try:
+        d: Any = _Line.model_validate_json(line)
+    except ValueError as exc:   # pydantic.ValidationError is a ValueError
+        raise ValueError(f"malformed output line: {str(exc).splitlines()[0]}") from None
     return StepOutput(
-        rid=d["rid"], token_ids=list(d["token_ids"]), text=d["text"],
-        logprobs=[TokenLogprob(t, lp, tuple((int(a), float(b)) for a, b in top)) for t, lp, top in d["logprobs"]],
-        prompt_tokens=d["prompt_tokens"], completion_tokens=d["completion_tokens"],
-        finish_reason=FinishReason(d["finish_reason"]) if d["finish_reason"] else None, error=d["error"])
+        rid=d.rid, token_ids=list(d.token_ids), text=d.text,
+        logprobs=[TokenLogprob(t, _logprob(lp), tuple((a, _logprob(b)) for a, b in top)) for t, lp, top in d.logprobs],
+        prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens,
+        finish_reason=d.finish_reason, error=d.error)

@@ -27,11 +27,28 @@ subclasses it and implements only the data hooks (all optional except where note
     connect(peer)        default no-op; called once per bootstrapped peer incarnation.
     disconnect(peer)     default no-op; peer forgotten or restarted.
     close_backend()      default no-op.
+    max_data_frame()     default 0; the largest raw data frame it sends (the channel's
+                         per-frame size limit is sized from it).
 Faults: `self.faults.transfer_fault()` is consulted here before write_start ("hang" never
 starts the job and never confirms a stop; "fail" fails it), so backends get it for free.
+
+Admission (`_admit`, the one place where a decoded frame is accepted or refused against
+this worker's state; authentication belongs there too): a Heartbeat or BootstrapInfo is
+accepted only from a bootstrapped peer or an address this worker has a reason to talk to
+(a P named in one of its rooms, a D whose Destination it holds for a live room, an address
+it asked, a sender whose heartbeat lists a room this worker holds). Everything else is dropped and counted in
+kvrelay_rejected_input_total{surface="control",reason=...}, e.g. "unknown_peer" (logged at
+debug on `kvrelay.input`). So an unknown sender never makes this worker open a socket:
+sockets go only to bootstrapped peers (at most MAX_PEERS, the least recently heard one
+without live rooms evicted) and to addresses its own rooms name. A BootstrapQuery whose
+layout differs is answered (D then fails its rooms naming the fields) but not learned
+("bad_layout"); a peer whose connect() raises is not learned ("bad_endpoint") and the
+rooms waiting on it fail, nothing else. What a frame carries that only state can check
+(destination pages outside the peer's pool, repeated pages) fails that room only.
 """
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import replace
 
@@ -43,8 +60,13 @@ from kvrelay.disagg.channel import Channel, Received, ZmqChannel
 from kvrelay.disagg.faults import Faults, FaultSpec, FaultyChannel
 from kvrelay.disagg.transfer.base import (KVReceiver, KVSender, PeerInfo, TransferManager,
                                           TransferStatus, WriteJob, WriteState)
+from kvrelay.obs.metrics import reject_input
 
 S = TransferStatus
+log = logging.getLogger("kvrelay.transfer")
+
+MAX_PEERS = 128          # bootstrapped peers one worker keeps
+MAX_EARLY_ROOMS = 4096   # rooms with messages buffered before the router's leg arrived
 
 
 class _Endpoint:
@@ -121,6 +143,10 @@ class CommonSender(_Endpoint, KVSender):
         peer = self.m.peers().get(self.peer_address)
         if peer is None:
             self._fail("peer_failed", "decode worker not bootstrapped (or forgotten)")
+            return
+        bad = self.m.bad_destination(dest, peer)
+        if bad:
+            self._fail("invalid_request", bad)
             return
         self.pending_aux = replace(aux, room=self.room, epoch=dest.epoch)
         runs = paired_runs(src_pages, dest.dst_pages, self.m.layout.page_bytes)
@@ -297,7 +323,8 @@ class CommonManager(TransferManager):
         self.worker_id = worker_id or f"{self.name}-{self.incarnation[:8]}"
         self.faults = Faults(FaultSpec.from_config(self.transfer.fault_spec))
         if channel is None:
-            channel = ZmqChannel(self.transfer.transfer_host, self.transfer.transfer_port)
+            channel = ZmqChannel(self.transfer.transfer_host, self.transfer.transfer_port,
+                                 max_msg_size=max(wire.MAX_FRAME_BYTES, self.max_data_frame()))
         self.channel: Channel = FaultyChannel(channel, self.faults, self.clock)
         self.address = channel.address
         self.pool: memoryview | None = None
@@ -348,6 +375,9 @@ class CommonManager(TransferManager):
 
     def close_backend(self) -> None:
         pass
+
+    def max_data_frame(self) -> int:
+        return 0
 
     # ---- helpers for backends ----------------------------------------------------------
     def owner_ok(self, room: int, epoch: int, dst_pages) -> bool:
@@ -431,13 +461,21 @@ class CommonManager(TransferManager):
         self._asked.pop(address, None)
         self._await_peer.pop(address, None)
         if peer is not None:
-            self.disconnect(peer)
+            self._disconnect(peer)
         self.channel.forget(address)
 
     def progress(self) -> None:
         now = self.clock.now()
+        expected: set[str] | None = None   # computed once, only if a non-peer speaks
         for rcv in self.channel.recv():
-            self._heard[rcv.src] = now
+            if rcv.src not in self._peers and expected is None:
+                expected = self._expected()
+            reason = self._admit(rcv, expected or set())
+            if reason:
+                reject_input("control", reason, rcv.msg.KIND, rcv.src)
+                continue
+            if rcv.src in self._peers or rcv.src in (expected or ()):
+                self._heard[rcv.src] = now
             self._dispatch(rcv)
         for snd in list(self._senders.values()):
             snd.pump()
@@ -451,6 +489,41 @@ class CommonManager(TransferManager):
         self._draining.clear()
         self.close_backend()
         self.channel.close()
+
+    # ---- admission ------------------------------------------------------------------------
+    def _expected(self) -> set[str]:
+        """Addresses this worker has a reason to hear from besides its peers: the P of each
+        of its rooms, a D it holds a Destination of, an address it asked."""
+        out = {r.peer_address for r in self._receivers.values() if r.peer_address}
+        out.update(s.peer_address for s in self._senders.values() if s.peer_address)
+        out.update(self._await_peer)
+        out.update(self._asked)
+        return out
+
+    def _admit(self, r: Received, expected: set[str]) -> str | None:
+        """-> None to accept a decoded frame, else the reason code it is dropped with."""
+        msg = r.msg
+        if isinstance(msg, (wire.Heartbeat, wire.BootstrapInfo)) and r.src not in self._peers \
+                and r.src not in expected and not self._names_our_room(msg):
+            return "unknown_peer"
+        return None
+
+    def _names_our_room(self, msg: wire.Message) -> bool:
+        """A heartbeat from a sender that holds a room this worker holds (or recently
+        ended: a quarantine waiting for Stopped) too: a peer that knows us while we do not
+        know it (this worker restarted, or declared it dead)."""
+        rooms = msg.rooms if isinstance(msg, wire.Heartbeat) else {}
+        return any(room in self._senders or room in self._receivers or room in self._closed for room in rooms)
+
+    def bad_destination(self, dest: wire.Destination, peer: PeerInfo) -> str:
+        """Why D's destination pages cannot be written, or "" (checked before any write)."""
+        if len(set(dest.dst_pages)) != len(dest.dst_pages):
+            return "destination pages repeat"
+        size = peer.endpoint.get("bytes")
+        if isinstance(size, int) and dest.dst_pages and \
+                (max(dest.dst_pages) + 1) * self.layout.page_bytes > size:
+            return "destination pages lie outside the decode worker's pool"
+        return ""
 
     # ---- bootstrap ------------------------------------------------------------------------
     def _identity(self, cls):
@@ -479,27 +552,63 @@ class CommonManager(TransferManager):
             if address and address not in self._peers:
                 self._ask_if_due(address)
 
-    def _learn(self, src: str, ident: wire.BootstrapQuery | wire.BootstrapInfo) -> PeerInfo:
+    def _learn(self, src: str, ident: wire.BootstrapQuery | wire.BootstrapInfo) -> PeerInfo | None:
+        """-> the peer, or None when it cannot be kept (peer table full of live peers, or
+        its data path cannot be connected): only that peer is refused."""
         old = self._peers.get(src)
         if old is not None and old.incarnation == ident.incarnation:
             return old
         if old is not None:
-            self.disconnect(old)
+            self._disconnect(old)
+        elif len(self._peers) >= MAX_PEERS and not self._evict_peer():
+            reject_input("control", "too_many_peers", ident.KIND, src)
+            return None
         peer = PeerInfo(src, ident.worker_id, ident.incarnation, ident.kv_layout,
                         ident.backend, ident.endpoint)
         self._peers[src] = peer
         if not self.layout.mismatches(peer.layout):
-            self.connect(peer)
+            try:
+                self.connect(peer)
+            except Exception as e:  # noqa: BLE001 - a bad peer endpoint refuses that peer only
+                log.warning("cannot connect to peer %s (%s): %r", src, ident.worker_id, e)
+                reject_input("control", "bad_endpoint", ident.KIND, src)
+                self._peers.pop(src, None)
+                for rcv in list(self._receivers.values()):
+                    if rcv.peer_address == src:
+                        rcv._fail("peer_failed", f"cannot connect to the prefill worker's data path: {e!r}"[:200])
+                return None
         return peer
+
+    def _disconnect(self, peer: PeerInfo) -> None:
+        try:
+            self.disconnect(peer)
+        except Exception as e:  # noqa: BLE001 - a peer that is already gone
+            log.warning("disconnecting peer %s failed: %r", peer.address, e)
+
+    def _evict_peer(self) -> bool:
+        """Forget the least recently heard peer that no live room uses; False if none."""
+        busy = self._expected()
+        idle = [a for a in self._peers if a not in busy]
+        if not idle:
+            return False
+        self.forget_peer(min(idle, key=lambda a: self._heard.get(a, float("-inf"))))
+        return True
 
     # ---- dispatch -------------------------------------------------------------------------
     def _dispatch(self, r: Received) -> None:
         msg = r.msg
         if isinstance(msg, wire.BootstrapQuery):
-            self._learn(r.src, msg)
-            self.channel.send(r.src, self._identity(wire.BootstrapInfo))
+            if self.layout.mismatches(msg.kv_layout):
+                reject_input("control", "bad_layout", msg.KIND, r.src)
+            elif self._learn(r.src, msg) is None:
+                return
+            self.channel.send(r.src, self._identity(wire.BootstrapInfo))  # D fails a mismatch itself
+            if r.src not in self._peers:
+                return
         elif isinstance(msg, wire.BootstrapInfo):
             peer = self._learn(r.src, msg)
+            if peer is None:
+                return
             for rcv in list(self._receivers.values()):
                 if rcv.peer_address == r.src:
                     rcv.on_peer(peer)
@@ -520,7 +629,9 @@ class CommonManager(TransferManager):
         room = msg.room  # type: ignore[attr-defined]
         snd, rcv = self._senders.get(room), self._receivers.get(room)
         if isinstance(msg, wire.Destination):
-            if r.src not in self._peers:  # e.g. this worker restarted: learn D first
+            if r.src not in self._peers and snd is None and room not in self._closed:
+                self._buffer_early(room, r)  # replayed once the room's leg arrives
+            elif r.src not in self._peers:  # e.g. this worker restarted: learn D first
                 held = self._await_peer.setdefault(r.src, [])
                 if len(held) < 64:
                     held.append(r)
@@ -548,6 +659,9 @@ class CommonManager(TransferManager):
     def _buffer_early(self, room: int, r: Received) -> None:
         """A message for a room this worker has not been given yet (the router sends to P
         and D at once). Kept for the bootstrap timeout, then dropped."""
+        if room not in self._early and len(self._early) >= MAX_EARLY_ROOMS:
+            reject_input("control", "too_many_early", r.msg.KIND, r.src)
+            return
         expiry, msgs = self._early.get(room, (self.clock.now() + self.lifecycle.bootstrap_timeout, []))
         if len(msgs) < 16:
             msgs.append(r)

@@ -21,9 +21,9 @@ from kvrelay.disagg.transfer.common import CommonManager
 class FakeKV(wire.Message):
     """P -> D data header of the two-sided fake: one raw frame follows, the concatenated
     bytes of `dst_pages` in order."""
-    room: int
-    epoch: int
-    dst_pages: tuple[int, ...]
+    room: wire.Room
+    epoch: wire.Epoch
+    dst_pages: wire.PageIds
 
 
 class FakeManager(CommonManager):
@@ -93,9 +93,11 @@ class FakeTwoSidedManager(FakeManager):
         msg = received.msg
         if not isinstance(msg, FakeKV) or self.pool is None:
             return
+        data, pb = memoryview(received.frames[0]) if received.frames else memoryview(b""), self.layout.page_bytes
+        if len(data) != len(msg.dst_pages) * pb:
+            return  # malformed
         if not self.owner_ok(msg.room, msg.epoch, msg.dst_pages):
             return  # late or foreign bytes never land
-        data, pb = memoryview(received.frames[0]), self.layout.page_bytes
         for i, p in enumerate(msg.dst_pages):
             self.pool[p * pb:(p + 1) * pb] = data[i * pb:(i + 1) * pb]
         self.mark_landed(msg.room, msg.epoch, msg.dst_pages)

@@ -20,16 +20,26 @@ Invariants:
 - P's source pages stay pinned until ack or a terminal failure (the lifecycle's rule), so
   a zero-copy frame never reads pages of another request while the room is live; after a
   failure, whatever bytes still go out are dropped by D's ownership check.
+- D's control socket refuses any frame larger than the largest chunk (`max_data_frame`)
+  or a control header (wire.MAX_FRAME_BYTES), whichever is bigger: zmq drops the sending
+  connection when the frame's length arrives, before buffering its bytes. A TcpKV header
+  is validated like every wire message; a data frame whose length does not match its
+  header, or whose pages lie outside the pool, is dropped and counted in
+  kvrelay_rejected_input_total{surface="transfer",reason="bad_frame"}.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import Field
 
 from kvrelay.disagg import wire
 from kvrelay.disagg.channel import Received
 from kvrelay.disagg.transfer.base import WriteJob
 from kvrelay.disagg.transfer.common import CommonManager
+from kvrelay.obs.metrics import reject_input
 
 CHUNK_BYTES = 128 << 10
 
@@ -39,10 +49,14 @@ CHUNK_BYTES = 128 << 10
 class TcpKV(wire.Message):
     """P -> D data header; one raw frame follows: the bytes of destination pages
     first_page .. first_page + num_pages - 1."""
-    room: int
-    epoch: int
-    first_page: int
-    num_pages: int
+    room: wire.Room
+    epoch: wire.Epoch
+    first_page: wire.PageId
+    num_pages: Annotated[int, Field(strict=True, ge=1, le=wire.MAX_PAGES_PER_MSG)]
+
+    def check(self) -> None:
+        if self.first_page + self.num_pages - 1 > wire.MAX_PAGE_ID:
+            raise wire.WireError("bad_field", "pages beyond the largest page id")
 
     @property
     def dst_pages(self) -> range:
@@ -60,6 +74,10 @@ class TcpManager(CommonManager):
     name = "tcp"
     one_sided = False
     dropped_frames = 0  # KV messages refused by the ownership check or malformed (a counter)
+
+    def max_data_frame(self) -> int:
+        pb = self.layout.page_bytes
+        return max(pb, CHUNK_BYTES - CHUNK_BYTES % pb)  # the biggest piece chunks() cuts
 
     # ---- P side ----------------------------------------------------------------------------
     def write_start(self, job: WriteJob) -> None:
@@ -92,9 +110,12 @@ class TcpManager(CommonManager):
             return
         pb, pages = self.layout.page_bytes, msg.dst_pages
         data = memoryview(received.frames[0]) if len(received.frames) == 1 else memoryview(b"")
-        malformed = msg.num_pages <= 0 or len(data) != len(pages) * pb or pages.stop * pb > len(self.pool)
-        if malformed or not self.owner_ok(msg.room, msg.epoch, pages):
-            self.dropped_frames += 1  # late, foreign or partial bytes never land
+        if len(data) != len(pages) * pb or pages.stop * pb > len(self.pool):
+            self.dropped_frames += 1
+            reject_input("transfer", "bad_frame", f"{len(data)} bytes for pages {pages}", received.src)
+            return
+        if not self.owner_ok(msg.room, msg.epoch, pages):
+            self.dropped_frames += 1  # late or foreign bytes never land
             return
         self.pool[pages.start * pb:pages.stop * pb] = data
         self.mark_landed(msg.room, msg.epoch, pages)
