@@ -77,7 +77,7 @@ class Cluster:
     def __init__(self, model_args: list[str], worker_args: list[str] = (), num_prefill: int = 1,
                  num_decode: int = 2, backend: str = "shm") -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvrelay-cluster-"))
-        worker = [*model_args, *worker_args, "--transfer-backend", backend, *LIFECYCLE_FLAGS]
+        worker = [*model_args, *worker_args, "--transfer-backend", backend, *LIFECYCLE_FLAGS, "--enable-fault-injection"]
         self.prefill = [Proc(f"prefill-{i}", ["prefill", *worker], free_port(), self.dir) for i in range(num_prefill)]
         self.decode = [Proc(f"decode-{i}", ["decode", *worker], free_port(), self.dir) for i in range(num_decode)]
         router = ["router", *model_args, "--prefill", *[p.url for p in self.prefill],

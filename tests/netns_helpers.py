@@ -237,7 +237,8 @@ class NetnsCluster(Cluster):
         self.net = net
 
         def ns_proc(old: Proc, side: str) -> NsProc:
-            argv = [*old.argv, "--transfer-host", net.transfer_host(side)]
+            # Not on loopback: no fault injection (the netns faults are the network's own).
+            argv = [a for a in old.argv if a != "--enable-fault-injection"] + ["--transfer-host", net.transfer_host(side)]
             env = net.ucx_env(side) if backend == "nixl" else None
             return NsProc(old.name, argv, old.port, self.dir, net.exec_prefix(side), net.http_host(side), env)
 

@@ -96,6 +96,9 @@ def test_worker_flags_round_trip_through_the_flags_a_cluster_forwards():
     (["router", "--prefill", "127.0.0.1:1", "--decode", "http://127.0.0.1:2"], "must start with http://"),
     (["router", "--prefill", "http://a:1", "--decode", "http://a:1"], "listed twice"),
     (["serve", "--num-prefill", "0"], "--num-prefill must be at least 1"),
+    (["prefill", "--fault-spec", "drop_ack=1"], "needs --enable-fault-injection"),
+    (["decode", "--enable-fault-injection", "--host", "0.0.0.0"], "needs --host and --transfer-host on loopback"),
+    (["decode", "--enable-fault-injection", "--transfer-host", "10.0.0.5"], "on loopback"),
     (["serve", "--mode", "both"], "invalid choice"),
 ])
 def test_bad_disaggregated_flags_fail_with_one_clear_line(args, words):
@@ -103,6 +106,14 @@ def test_bad_disaggregated_flags_fail_with_one_clear_line(args, words):
     assert proc.returncode != 0
     assert words in proc.stderr.strip().splitlines()[-1], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_fault_spec_from_the_environment_also_needs_the_flag():
+    proc = subprocess.run([sys.executable, "-m", "kvrelay", "prefill"], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, KVRELAY_FAULTS="drop_ack=1"))
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "kvrelay: error: a fault spec (--fault-spec or KVRELAY_FAULTS) needs --enable-fault-injection"), proc.stderr
 
 
 def test_a_router_without_reachable_workers_gives_up_after_the_startup_timeout():

@@ -284,6 +284,18 @@ async def test_a_worker_body_over_the_limit_is_413(workers):
         assert_error(await d.post("/generate", content=big, headers={"content-type": "application/json"}), 413)
 
 
+async def test_fault_injection_exists_only_on_purpose(workers):
+    """Without --enable-fault-injection a worker has no POST /debug/faults (#10 finding 9:
+    it was open to anyone who reached the port)."""
+    apps, engines = workers
+    for role, app in apps.items():
+        async with client(app) as w:
+            r = await w.post("/debug/faults", json={"spec": "drop_ack=1"})
+            assert r.status_code == 404, (role, r.text)
+            assert r.json()["error"]["type"] == "not_found_error"
+        assert not engines[role].core.manager.faults.spec.any
+
+
 # -- item 6: /debug/requests shows no text --------------------------------------------------
 
 async def test_debug_requests_shows_no_prompt_or_output_text(tiny_engine):

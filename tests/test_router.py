@@ -210,7 +210,7 @@ def model_name(url: str) -> str:
 
 def worker_proc(cluster: Cluster, name: str, role: str, tiny_llama_dir, port: int, *flags: str) -> Proc:
     argv = [role, "--model", f"random:{tiny_llama_dir}", "--dtype", "float32", "--max-kv-tokens", "16384",
-            "--transfer-backend", "shm", *LIFECYCLE_FLAGS, *flags]
+            "--transfer-backend", "shm", *LIFECYCLE_FLAGS, "--enable-fault-injection", *flags]
     return Proc(name, argv, port, cluster.dir)
 
 

@@ -92,7 +92,9 @@ class TransferConfig:
     transfer_port: int = _f(0, "port of the transfer endpoint (0: pick a free one; with `serve`, the "
                             "first worker's, the others take the next ports)")
     fault_spec: str | None = _f(None, "fault injection spec, e.g. 'drop_ack=1.0;delay_ctrl=0.2' "
-                                "(also read from KVRELAY_FAULTS)")
+                                "(also read from KVRELAY_FAULTS); needs --enable-fault-injection")
+    enable_fault_injection: bool = _f(False, "allow --fault-spec, KVRELAY_FAULTS and POST /debug/faults (tests "
+                                      "and drills); only with loopback --host and --transfer-host")
 
 
 @dataclass(frozen=True)

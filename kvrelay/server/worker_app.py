@@ -8,7 +8,9 @@ between steps: a worker whose loop hangs stops answering /health, and the router
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import os
 from typing import AsyncIterator
 
 from fastapi import APIRouter, FastAPI
@@ -34,7 +36,27 @@ log = logging.getLogger("kvrelay.worker")
 CORES: dict[str, type[WorkerCore]] = {"prefill": PrefillCore, "decode": DecodeCore}
 
 
-def worker_app(engine: AsyncEngine, metrics: ServingMetrics) -> FastAPI:
+def check_fault_injection(config: KVRelayConfig) -> None:
+    """Fault injection exists only on purpose, and only on one host: nothing without a
+    key may switch faults on over the network. Raises StartupError."""
+    transfer, srv = config.transfer, config.server
+    asked = transfer.fault_spec or os.environ.get("KVRELAY_FAULTS")
+    if asked and not transfer.enable_fault_injection:
+        raise StartupError("a fault spec (--fault-spec or KVRELAY_FAULTS) needs --enable-fault-injection")
+    if transfer.enable_fault_injection and not (_loopback(srv.host) and _loopback(transfer.transfer_host)):
+        raise StartupError("--enable-fault-injection needs --host and --transfer-host on loopback (127.0.0.1): "
+                           "anyone who reaches the port could switch faults on")
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def worker_app(engine: AsyncEngine, metrics: ServingMetrics, faults: bool = False) -> FastAPI:
+    """`faults`: serve POST /debug/faults (--enable-fault-injection)."""
     core: WorkerCore = engine.core  # read only through engine.call (the engine thread)
     app = FastAPI(title=f"kvrelay {core.role} worker")
     install_handlers(app)
@@ -62,8 +84,7 @@ def worker_app(engine: AsyncEngine, metrics: ServingMetrics) -> FastAPI:
     async def health() -> dict:
         return WorkerHealth(**await on_engine(lambda c: c.health(), timeout=10.0)).model_dump()
 
-    @routes.post("/debug/faults")
-    async def faults(body: FaultsRequest) -> dict:
+    async def set_faults(body: FaultsRequest) -> dict:
         """Replace this worker's fault-injection spec at run time (chaos tests, drills);
         an empty spec switches every fault off."""
         try:
@@ -75,6 +96,9 @@ def worker_app(engine: AsyncEngine, metrics: ServingMetrics) -> FastAPI:
 
     async def debug_view() -> dict:
         return await on_engine(lambda c: c.debug_view())
+
+    if faults:
+        routes.add_api_route("/debug/faults", set_faults, methods=["POST"])
 
     app.include_router(routes)
     app.include_router(observability_router(metrics, debug_view))
@@ -96,6 +120,7 @@ async def _lines(engine: AsyncEngine, greq: GenerateRequest, kwargs: dict) -> As
 
 
 def serve_worker(config: KVRelayConfig, role: str) -> None:
+    check_fault_injection(config)
     setup_logging(config.server.log_level)
     cls = CORES[role]
     metrics = ServingMetrics(role, cls.PHASES, lambda: engine.call(lambda c: c.snapshot(), timeout=10))
@@ -114,7 +139,7 @@ def serve_worker(config: KVRelayConfig, role: str) -> None:
     print(startup_line(role, core.loaded, core.capacity_tokens, f"http://{srv.host}:{srv.port}")
           + f", transfer {core.manager.name} at {core.manager.address}", flush=True)
     try:
-        run_uvicorn(worker_app(engine, metrics), srv)
+        run_uvicorn(worker_app(engine, metrics, config.transfer.enable_fault_injection), srv)
     finally:
         engine.shutdown()
         core.close()

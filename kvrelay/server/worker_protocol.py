@@ -11,7 +11,8 @@ Worker endpoints (prefill and decode alike):
     POST /abort      AbortRequest -> {"aborted": bool}
     GET  /health     -> WorkerHealth (load figures for pairing)
     GET  /metrics, GET /debug/requests
-    POST /debug/faults FaultsRequest -> replaces the worker's fault-injection spec
+    POST /debug/faults FaultsRequest -> replaces the worker's fault-injection spec (served only
+                     with --enable-fault-injection, on loopback)
 
 Validation at the edge: every field of a leg is typed strictly and bounded here, so a body
 the engine loop could choke on (an unparseable `prefill_address`, a token id past 2**31, a
