@@ -90,14 +90,19 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 
+def is_text(s: str) -> bool:
+    """False for a string that cannot be encoded as UTF-8 (it holds a lone surrogate)."""
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def scrub(text: str) -> str:
     """`text` made encodable as UTF-8: surrogate pairs are joined, lone surrogates become
     U+FFFD. The common case (nothing to fix) costs one encode."""
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text if is_text(text) else text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 def json_text(payload: Any) -> str:

@@ -14,12 +14,12 @@ from fastapi.responses import StreamingResponse
 from starlette.routing import BaseRoute
 
 from kvrelay.engine.types import EngineClient, FinishReason, GenerateRequest, StepOutput
-from kvrelay.server.errors import (SafeJSONResponse, from_failed_output, install_handlers, invalid,
+from kvrelay.server.errors import (SafeJSONResponse, from_failed_output, install_handlers, invalid, is_text,
                                    model_not_found)
 from kvrelay.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
                                      CompletionRequest, CompletionResponse, ModelCard, ModelList, Usage,
-                                     chat_logprobs, completion_logprobs, is_text, now)
+                                     chat_logprobs, completion_logprobs, now)
 from kvrelay.server.sse import Collected, Renderer, RequestStream, abort_on_disconnect, collect, sse_events
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions

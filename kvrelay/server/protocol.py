@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 from kvrelay.engine.types import SamplingParams, TokenLogprob
-from kvrelay.server.errors import invalid
+from kvrelay.server.errors import invalid, is_text
 
 MAX_LOGPROBS = 5
 MAX_STOPS = 16                 # stop strings per request (OpenAI allows 4)
@@ -34,15 +34,6 @@ TokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
 
 def _unsupported(message: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported_value", message)
-
-
-def is_text(s: str) -> bool:
-    """False for a string that cannot be encoded as UTF-8 (it holds a lone surrogate)."""
-    try:
-        s.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
 
 
 def _bad_text() -> PydanticCustomError:

@@ -22,7 +22,6 @@ malformed line is a ValueError (`output_from_json`): the router fails that leg o
 """
 from __future__ import annotations
 
-import ipaddress
 import math
 import re
 from typing import Annotated, Any, Literal
@@ -30,6 +29,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
+from kvrelay.disagg.wire import valid_endpoint
 from kvrelay.engine.types import FinishReason, SamplingParams, StepOutput, TokenLogprob
 from kvrelay.server.errors import json_text
 from kvrelay.server.protocol import (MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, SEED_LIMIT,
@@ -37,36 +37,19 @@ from kvrelay.server.protocol import (MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_TOKE
 
 MAX_ROOM = 2**63 - 1
 MAX_RID_CHARS = 200
-MAX_ADDRESS_CHARS = 300
 MAX_PROMPT_IDS = 1 << 20       # far above any context length; the engine checks max_model_len
 RID_RE = re.compile(r"[A-Za-z0-9._:@+=-]+")
-_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 _STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]
 Stop = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
 
 
-def _bad_address(why: str) -> PydanticCustomError:
-    return PydanticCustomError("invalid_address", "must be tcp://host:port ({why})", {"why": why})
-
-
 def check_endpoint(address: str) -> str:
-    """`address` if it is a syntactically valid `tcp://host:port` (host a DNS name, an IPv4
-    address or a bracketed IPv6 address; port 1-65535), else a validation error."""
-    if len(address) > MAX_ADDRESS_CHARS:
-        raise _bad_address(f"longer than {MAX_ADDRESS_CHARS} characters")
-    if not address.startswith("tcp://"):
-        raise _bad_address("the scheme is not tcp://")
-    host, sep, port = address[len("tcp://"):].rpartition(":")
-    if not sep or not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise _bad_address("no valid port")
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            ipaddress.IPv6Address(host[1:-1])
-        except ValueError:
-            raise _bad_address("not a valid IPv6 address") from None
-    elif not host or len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in host.split(".")):
-        raise _bad_address("not a valid host name or IPv4 address")
+    """`address` if it is a `tcp://host:port` the wire layer would accept (`wire.valid_endpoint`),
+    else a validation error."""
+    if not valid_endpoint(address, ("tcp",)):
+        raise PydanticCustomError("invalid_address", "must be tcp://host:port (host a DNS name, an IPv4 "
+                                  "address or a bracketed IPv6 address; port 1-65535)")
     return address
 
 
