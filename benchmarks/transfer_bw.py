@@ -1,6 +1,10 @@
 """KV transfer latency and bandwidth: each backend next to the plain baseline it must approach.
 
-    .venv/bin/python benchmarks/transfer_bw.py [--backends shm,tcp,nixl] [--quick]
+    .venv/bin/python benchmarks/transfer_bw.py [--backends shm,tcp,nixl] [--quick] [--auth]
+
+--auth adds each backend with a cluster key (every frame sealed, as in a keyed cluster) as
+a third case, measured in the same interleaved rounds: its ratio to the baseline is the
+cost of authentication.
 
 Baselines (no kvrelay code): a memcpy into a shared-memory segment, a pyzmq send/recv over
 tcp loopback (zero-copy send, receiver copies the frame into its destination buffer), and
@@ -158,7 +162,7 @@ def bench_layout(size: int):
     return KVLayout("bench", "float32", page_size=16, num_layers=layers, num_kv_heads=1, head_dim=32)
 
 
-def backend_case(name: str) -> Case:
+def backend_case(name: str, auth: bool = False) -> Case:
     def case(size: int):
         from kvrelay.core.config import TransferConfig
         from kvrelay.disagg import wire
@@ -166,7 +170,11 @@ def backend_case(name: str) -> Case:
         from kvrelay.disagg.transfer.base import TransferStatus as S
         layout = bench_layout(size)
         pages = list(range(size // layout.page_bytes))
-        p, d = (create_manager(name, layout, TransferConfig(transfer_backend=name)) for _ in range(2))
+        from kvrelay.core.keys import ClusterKey
+        from kvrelay.disagg.auth import ChannelAuth
+        key = ClusterKey.generate().control_key if auth else None
+        p, d = (create_manager(name, layout, TransferConfig(transfer_backend=name),
+                               auth=ChannelAuth(key) if key else None) for _ in range(2))
         p.allocate_pool(len(pages))[:] = filled(size)
         d.allocate_pool(len(pages))
         rooms = iter(range(1, 1 << 30))
@@ -248,20 +256,36 @@ def print_targets(rows: list[tuple[dict, dict | None]]) -> None:
         print(f"target {row['name']} >= {TARGET_RATIO}x {base['name']}: {verdict} ({shown})")
 
 
+def cpu_model() -> str:
+    """lscpu's model name: every figure is for one CPU."""
+    import subprocess
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "unknown")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backends", default="shm,tcp,nixl")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--baselines-only", action="store_true")
+    ap.add_argument("--auth", action="store_true", help="also measure each backend with a cluster key")
     args = ap.parse_args(argv)
+    print(f"cpu: {cpu_model()}")
     rows = []
     for name in args.backends.split(","):
         label, case = BASELINES[name]
         if args.baselines_only:
             rows.append((measure_rows([label], [case], args.quick)[0], None))
             continue
-        base, mine = measure_rows([label, name], [case, BACKEND_CASES[name]], args.quick)
-        rows += [(base, None), (mine, base)]
+        labels, cases = [label, name], [case, BACKEND_CASES[name]]
+        if args.auth:
+            labels.append(f"{name}+auth")
+            cases.append(backend_case(name, auth=True))
+        base, *mine = measure_rows(labels, cases, args.quick)
+        rows += [(base, None)] + [(row, base) for row in mine]
     print_table(rows)
     print_targets(rows)
 

@@ -15,6 +15,7 @@ from kvrelay.core.clock import SimClock
 from kvrelay.core.config import LifecycleConfig, TransferConfig
 from kvrelay.core.kvlayout import KVLayout
 from kvrelay.disagg import wire
+from kvrelay.disagg.auth import ChannelAuth
 from kvrelay.disagg.channel import InProcNetwork
 from kvrelay.disagg.decode_side import DecodeSide
 from kvrelay.disagg.faults import FaultSpec
@@ -64,8 +65,9 @@ class Harness:
     """P and D coordinators on one backend, stepped together on a SimClock."""
 
     def __init__(self, backend: str, cfg: LifecycleConfig = CFG, *, p_faults: str | None = None,
-                 d_faults: str | None = None, num_pages: int = 16) -> None:
-        self.backend, self.cfg, self.num_pages = backend, cfg, num_pages
+                 d_faults: str | None = None, num_pages: int = 16, key: bytes | None = None) -> None:
+        """`key`: a cluster key's control derivation; both sides then seal every frame."""
+        self.backend, self.cfg, self.num_pages, self.key = backend, cfg, num_pages, key
         self.clock = SimClock()
         self.real = not backend.startswith("fake")
         self.network = None if self.real else InProcNetwork()
@@ -85,6 +87,8 @@ class Harness:
     def _manager(self, faults: str | None, port: int = 0):
         tcfg = TransferConfig(transfer_backend=self.backend, transfer_port=port, fault_spec=faults)
         kw = {} if self.real else {"network": self.network}
+        if self.key is not None:
+            kw["auth"] = ChannelAuth(self.key)
         return create_manager(self.backend, LAYOUT, tcfg, lifecycle=self.cfg, clock=self.clock, **kw)
 
     def _prefill_side(self) -> PrefillSide:
@@ -211,8 +215,9 @@ class Harness:
             new = self._manager(None, port=int(address.rsplit(":", 1)[1]))
             time.sleep(0.1)  # real sockets reconnect in real time; the SimClock waits for them
         else:
+            auth = {"auth": ChannelAuth(self.key)} if self.key is not None else {}
             new = create_manager(self.backend, LAYOUT, TransferConfig(transfer_backend=self.backend),
-                                 lifecycle=self.cfg, clock=self.clock, channel=self.network.channel(address))
+                                 lifecycle=self.cfg, clock=self.clock, channel=self.network.channel(address), **auth)
         assert new.address == address
         return new
 

@@ -3,7 +3,11 @@ prefill and a decode worker core (tcp backend, tiny random model, in this proces
 requests keep running; then every request's tokens are compared with a colocated run of
 the same request, and both workers must end idle with every page free.
 
-    .venv/bin/python tests/fuzz_wire.py [--frames 10000] [--seed 0]
+    .venv/bin/python tests/fuzz_wire.py [--frames 10000] [--seed 0] [--keyed]
+
+--keyed: the workers share a cluster key, and the fuzzer holds it too (an insider): every
+frame is sealed for its destination, so the fuzz reaches the validation behind the
+authentication; one in twenty goes out unsealed, one in twenty sealed with another key.
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ import zmq  # noqa: E402
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 
 from kvrelay.core.config import KVCacheConfig, ModelOptions, SchedulerConfig  # noqa: E402
+from kvrelay.core.keys import ClusterKey  # noqa: E402
+from kvrelay.disagg.auth import ChannelAuth  # noqa: E402
 from kvrelay.engine.engine import build_engine  # noqa: E402
 from kvrelay.engine.loader import load_model  # noqa: E402
 from kvrelay.engine.models.testing import make_tiny_model_dir  # noqa: E402
@@ -35,12 +41,14 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--frames", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keyed", action="store_true", help="workers and fuzzer share a cluster key")
     args = ap.parse_args()
+    key = ClusterKey.generate() if args.keyed else None
     loaded = load_model(ModelOptions(model=f"random:{make_tiny_model_dir(tempfile.mkdtemp(), arch='llama', seed=0)}",
                                      dtype="float32", seed=0, served_model_name="tiny-llama"))
     ref = build_engine(loaded, KVCacheConfig(page_size=16, max_kv_tokens=4096),
                        SchedulerConfig(max_running_requests=32, max_prefill_tokens=1024))
-    pair = Pair(loaded, "tcp")
+    pair = Pair(loaded, "tcp", cluster_key=key)
     pair.room = random.Random(args.seed).getrandbits(62)  # random room ids, as the router draws them
     reqs = [greedy(f"q{i}", range(3 + i, 30 + 4 * i), n=12) for i in range(8)]
     expected = asyncio.run(_run_all(lambda g: colocated(ref, g), reqs))
@@ -51,15 +59,23 @@ def main() -> int:
     def fuzz():
         ctx = zmq.Context.instance()
         socks = []
-        for address in (pair.paddr, pair.D.core.manager.address):
+        addresses = (pair.paddr, pair.D.core.manager.address)
+        for address in addresses:
             s = ctx.socket(zmq.PUSH)
             s.connect(address)
             socks.append(s)
+        insider = ChannelAuth(key.control_key) if key else None
+        outsider = ChannelAuth(ClusterKey.generate().control_key)
 
         @seed(args.seed)
         @settings(max_examples=args.frames, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         @given(frames(pair.P.core.layout))
         def one(parts):
+            if insider is not None and parts:
+                auth = outsider if sent[0] % 20 == 1 else insider
+                if sent[0] % 20 != 11:  # 1 in 20 unsealed, 1 in 20 sealed with another key
+                    dst = addresses[sent[0] % 2]
+                    parts = [auth.seal(dst, bytes(parts[0]), parts[1:]), *parts]
             if not os.environ.get("NOSEND"):
                 socks[sent[0] % 2].send_multipart(parts)
             sent[0] += 1

@@ -15,6 +15,7 @@ import pytest
 from disagg_helpers import LAYOUT, checksum, pattern
 from kvrelay.core.config import TransferConfig
 from kvrelay.disagg import wire
+from kvrelay.disagg.auth import ChannelAuth
 from kvrelay.disagg.transfer import TRANSFER_BACKENDS, create_manager
 from kvrelay.disagg.transfer.base import TransferStatus as S
 
@@ -40,9 +41,14 @@ def backend(request):
 class Pair:
     """A P and a D manager on one backend in this process, pumped together."""
 
-    def __init__(self, backend: str, num_pages: int = 16, p_faults: str | None = None) -> None:
-        self.p = create_manager(backend, LAYOUT, TransferConfig(transfer_backend=backend, fault_spec=p_faults))
-        self.d = create_manager(backend, LAYOUT, TransferConfig(transfer_backend=backend))
+    def __init__(self, backend: str, num_pages: int = 16, p_faults: str | None = None,
+                 key: bytes | None = None) -> None:
+        """`key`: both managers seal and verify every frame with it (a cluster key's
+        control derivation)."""
+        self.p = create_manager(backend, LAYOUT, TransferConfig(transfer_backend=backend, fault_spec=p_faults),
+                                auth=ChannelAuth(key) if key else None)
+        self.d = create_manager(backend, LAYOUT, TransferConfig(transfer_backend=backend),
+                                auth=ChannelAuth(key) if key else None)
         self.ppool = self.p.allocate_pool(num_pages)
         self.dpool = self.d.allocate_pool(num_pages)
 
@@ -85,12 +91,13 @@ def assert_idle(pair: Pair) -> None:
 
 # ---- bytes land exactly --------------------------------------------------------------------
 
+@pytest.mark.parametrize("key", [None, b"k" * 32], ids=["plain", "keyed"])
 @pytest.mark.parametrize("src,dst", [
     ([0, 1, 2, 3], [4, 5, 6, 7]),            # one run
     ([9, 3, 4, 12, 0], [1, 2, 3, 15, 8]),    # scattered: several runs on both sides
 ])
-def test_bytes_land_exactly(backend, src, dst):
-    pair = Pair(backend)
+def test_bytes_land_exactly(backend, src, dst, key):
+    pair = Pair(backend, key=key)
     try:
         data = pair.fill(src, seed=11)
         untouched = [p for p in range(16) if p not in dst]

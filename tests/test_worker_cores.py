@@ -23,11 +23,11 @@ LIFE = LifecycleConfig(heartbeat_interval=0.2, heartbeat_misses=3, bootstrap_tim
 
 
 class Pair:
-    def __init__(self, loaded, backend: str, d_faults: str | None = None) -> None:
+    def __init__(self, loaded, backend: str, d_faults: str | None = None, cluster_key=None) -> None:
         tc = TransferConfig(transfer_backend=backend)
-        self.P = AsyncEngine(lambda: PrefillCore(loaded, KV, SCHED, LIFE, tc))
+        self.P = AsyncEngine(lambda: PrefillCore(loaded, KV, SCHED, LIFE, tc, cluster_key=cluster_key))
         dtc = TransferConfig(transfer_backend=backend, fault_spec=d_faults)
-        self.D = AsyncEngine(lambda: DecodeCore(loaded, KV, SCHED, LIFE, dtc))
+        self.D = AsyncEngine(lambda: DecodeCore(loaded, KV, SCHED, LIFE, dtc, cluster_key=cluster_key))
         self.paddr = self.P.core.manager.address
         self.room = 100
 

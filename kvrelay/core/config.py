@@ -136,6 +136,31 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True)
+class SecurityConfig:
+    cluster_key_file: str | None = _f(None, "file holding the cluster's shared secret (or set KVRELAY_CLUSTER_KEY); "
+                                      "every process of one cluster needs the same one, e.g. from `kvrelay "
+                                      "keygen`; without a key, workers bind loopback only")
+    api_key: tuple[str, ...] = _f((), "API key clients must send as 'Authorization: Bearer KEY' (repeat the "
+                                  "flag for several; or set KVRELAY_API_KEY, comma-separated)",
+                                  nargs="+", action="extend")
+    protect_metrics: bool = _f(False, "require the API key (workers: the cluster token) for /health and /metrics too")
+    max_streams_per_key: int = _f(0, "most requests one API key may have in flight at once; beyond it "
+                                  "new ones get 429 (0: no per-key limit)")
+    ssl_certfile: str | None = _f(None, "serve HTTPS with this certificate (PEM)")
+    ssl_keyfile: str | None = _f(None, "the private key of --ssl-certfile (PEM)")
+    ssl_ca_certs: str | None = _f(None, "CA bundle (PEM) the router trusts for https:// worker URLs")
+    replay_window: float = _f(60.0, "seconds a signed control message stays valid; the clocks of the "
+                              "cluster's hosts must agree to well within this")
+
+    def __post_init__(self) -> None:
+        _require(self.max_streams_per_key >= 0, "--max-streams-per-key must be 0 or more")
+        _require(self.replay_window > 0, "--replay-window must be positive")
+        _require((self.ssl_certfile is None) == (self.ssl_keyfile is None),
+                 "--ssl-certfile and --ssl-keyfile go together")
+        _require(all(k and k.strip() == k for k in self.api_key), "--api-key must not be empty or padded")
+
+
+@dataclass(frozen=True)
 class KVRelayConfig:
     model: ModelOptions = field(default_factory=ModelOptions)
     kv: KVCacheConfig = field(default_factory=KVCacheConfig)
@@ -145,6 +170,7 @@ class KVRelayConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
 
 def to_cli_args(section: object) -> list[str]:

@@ -12,6 +12,10 @@ Contract (every implementation):
   counted in kvrelay_rejected_input_total{surface="control",reason=<WireError.reason>}
   and logged at debug on `kvrelay.input` ("rejected input", with surface, reason, detail,
   src); it never raises into the caller's loop.
+- With `auth` set (a cluster key), every message is sealed as [auth, header, *data] and
+  `recv()` returns only messages that `auth` verifies (disagg.auth: mac, freshness,
+  replay), before their header is parsed; the rest are dropped and counted like any
+  rejected frame. Set `auth` before the first send or recv.
 - A send never creates a socket to something that is not a valid tcp endpoint, the
   sockets a channel keeps are capped (least recently used closed first), and a connect
   that fails drops that one message (send returns False), nothing else.
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvrelay.disagg import wire
+from kvrelay.disagg.auth import AUTH_BYTES, MAGIC, AuthError, ChannelAuth
 from kvrelay.obs.metrics import reject_input
 
 log = logging.getLogger("kvrelay.channel")
@@ -49,6 +54,60 @@ class Received:
 class Channel(ABC):
     """One worker's control endpoint. `address` is what peers send to."""
     address: str
+    auth: ChannelAuth | None = None
+    _warned_unkeyed = False
+
+    def _parts(self, dst: str, msg: wire.Message, frames: Sequence[Frame]) -> list:
+        """What goes on the wire for one message to `dst` (see the module docstring)."""
+        header = wire.encode(msg, self.address)
+        if self.auth is None:
+            return [header, *frames]
+        return [self.auth.seal(dst, header, frames), header, *frames]
+
+    def _open(self, parts: list, schemes: tuple[str, ...] | None) -> Received | None:
+        """The message `parts` (as they arrived) carry, or None: dropped and counted."""
+        auth = self.auth
+        try:
+            if auth is not None:
+                if len(parts) < 2:
+                    raise AuthError("no_auth")
+                stamp = auth.verify(self.address, bytes(parts[0]), bytes(parts[1]), parts[2:])
+                header, data = parts[1], parts[2:]
+            else:
+                header, data = parts[0], parts[1:]
+                if len(header) == AUTH_BYTES and bytes(header[:4]) == MAGIC:
+                    self._warn_unkeyed()
+                    raise AuthError("auth_not_configured")
+            src, msg = wire.decode(header, schemes=schemes)
+            if auth is not None:
+                reason = auth.accept(src, stamp)
+                if reason:
+                    reject_input("control", reason, msg.KIND, src)
+                    return None
+        except AuthError as e:
+            reject_input("control", e.reason)
+            return None
+        except wire.WireError as e:  # a foreign or corrupt frame never stops the loop
+            reject_input("control", e.reason, e.detail)
+            return None
+        return Received(src, msg, tuple(data))
+
+    def blob(self, dst: str, msg: wire.Message) -> bytes:
+        """One message (no data frames) as a single byte string, sealed like `send`
+        would: for paths other than this channel (a backend's notifications)."""
+        return b"".join(self._parts(dst, msg, ()))
+
+    def open_blob(self, raw: bytes) -> Received | None:
+        """The inverse of `blob`: the message, or None (dropped and counted)."""
+        raw = bytes(raw)
+        parts = [raw[:AUTH_BYTES], raw[AUTH_BYTES:]] if self.auth is not None else [raw]
+        return self._open(parts, None)
+
+    def _warn_unkeyed(self) -> None:
+        if not self._warned_unkeyed:
+            self._warned_unkeyed = True
+            log.warning("dropping signed control messages: this worker has no cluster key but a peer has one "
+                        "(give every process of the cluster the same --cluster-key-file)")
 
     @abstractmethod
     def send(self, dst: str, msg: wire.Message, frames: Sequence[Frame] = ()) -> bool: ...
@@ -66,10 +125,11 @@ class Channel(ABC):
 # ---- in-process (the `fake` backend and unit tests) ---------------------------------
 
 class InProcNetwork:
-    """A set of in-process channels that can reach each other by address."""
+    """A set of in-process channels that can reach each other by address. A queue holds
+    each message as the list of byte strings a zmq channel would send."""
 
     def __init__(self) -> None:
-        self.queues: dict[str, deque[Received]] = {}
+        self.queues: dict[str, deque[list[bytes]]] = {}
         self._next = 0
 
     def channel(self, name: str | None = None) -> "InProcChannel":
@@ -94,15 +154,16 @@ class InProcChannel(Channel):
         q = self.network.queues.get(dst)
         if q is None:
             return False
-        src, decoded = wire.decode(wire.encode(msg, self.address))
-        q.append(Received(src, decoded, tuple(bytes(f) for f in frames)))
+        q.append([bytes(p) for p in self._parts(dst, msg, frames)])
         return True
 
     def recv(self, max_n: int = 10_000) -> list[Received]:
         q = self.network.queues.get(self.address)
         out: list[Received] = []
         while q and len(out) < max_n:
-            out.append(q.popleft())
+            got = self._open(q.popleft(), None)
+            if got is not None:
+                out.append(got)
         return out
 
     def close(self) -> None:
@@ -189,7 +250,7 @@ class ZmqChannel(Channel):
         sock = self._socket(dst)
         if sock is None:
             return False
-        parts = [wire.encode(msg, self.address), *frames]
+        parts = self._parts(dst, msg, frames)
         big = any(len(memoryview(f)) >= ZERO_COPY_MIN for f in frames)
         try:
             sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=not big)
@@ -208,18 +269,16 @@ class ZmqChannel(Channel):
         # NOBLOCK recv on an idle socket does only about once a millisecond.
         while len(out) < max_n and self._pull.getsockopt(_EVENTS) & _POLLIN:
             try:
-                header = self._pull.recv(flags=zmq.NOBLOCK)  # small: a copy is cheaper than a Frame
+                parts = [self._pull.recv(flags=zmq.NOBLOCK)]  # small: a copy is cheaper than a Frame
             except zmq.Again:
                 break
-            frames = []
+            if self.auth is not None and self._pull.getsockopt(_RCVMORE):
+                parts.append(self._pull.recv())  # the header after the auth frame: small too
             while self._pull.getsockopt(_RCVMORE):  # bulk data: zero-copy
-                frames.append(self._pull.recv(copy=False).buffer)
-            try:
-                src, msg = wire.decode(header, schemes=("tcp",))
-            except wire.WireError as e:  # a foreign or corrupt frame never stops the loop
-                reject_input("control", e.reason, e.detail)
-                continue
-            out.append(Received(src, msg, tuple(frames)))
+                parts.append(self._pull.recv(copy=False).buffer)
+            got = self._open(parts, ("tcp",))
+            if got is not None:
+                out.append(got)
         return out
 
     def forget(self, dst: str) -> None:

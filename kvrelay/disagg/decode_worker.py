@@ -16,6 +16,9 @@ Invariants:
 """
 from __future__ import annotations
 
+import secrets
+
+from kvrelay.disagg import wire
 from kvrelay.disagg.decode_side import DecodeSide
 from kvrelay.disagg.lifecycle import DPhase, TerminalEvent, phase_name
 from kvrelay.disagg.worker_core import Leg, WorkerCore, reason_of
@@ -28,8 +31,6 @@ class DecodeCore(WorkerCore):
     role = "decode"
     PHASES = tuple(phase_name(p) for p in (DPhase.BOOTSTRAP, DPhase.WAITING, DPhase.DECODE))
     QUEUED_PHASES = ("bootstrap", "waiting")
-
-    _epoch = 0  # bumped per reservation
 
     def _make_side(self) -> DecodeSide:
         return DecodeSide(self.lifecycle_cfg, self.manager, self.clock, self._reserve, self._release_room,
@@ -45,8 +46,9 @@ class DecodeCore(WorkerCore):
         pages = self.allocator.allocate(n, ("room", room))
         if pages is None:
             return None
-        self._epoch += 1  # a new epoch per reservation: a late write for an old one is recognisable
-        return pages, self._epoch
+        # A new epoch per reservation, random: a late write for an old one is recognisable,
+        # and no one can guess the current one from the previous.
+        return pages, 1 + secrets.randbelow(wire.I63)
 
     def _release_room(self, room: int, pages: list[int]) -> None:
         self.allocator.free(("room", room))

@@ -16,6 +16,6 @@ TRANSFER_BACKENDS.register_lazy("nixl", "kvrelay.disagg.transfer.nixl:NixlManage
 
 
 def create_manager(name: str, layout, transfer=None, **kwargs):
-    """Build the manager registered as `name`. kwargs: lifecycle, clock, channel, worker_id
+    """Build the manager registered as `name`. kwargs: lifecycle, clock, channel, worker_id, auth
     (see CommonManager); the fake backends also need `channel` or `network`."""
     return TRANSFER_BACKENDS.get(name)(layout, transfer, **kwargs)

@@ -32,8 +32,10 @@ subclasses it and implements only the data hooks (all optional except where note
 Faults: `self.faults.transfer_fault()` is consulted here before write_start ("hang" never
 starts the job and never confirms a stop; "fail" fails it), so backends get it for free.
 
-Admission (`_admit`, the one place where a decoded frame is accepted or refused against
-this worker's state; authentication belongs there too): a Heartbeat or BootstrapInfo is
+Authentication comes first, in the channel (`auth=`, disagg.auth): with a cluster key, a
+frame not sealed with it is dropped before its header is parsed, so everything below
+sees members of the cluster only. Admission (`_admit`, the one place where a decoded
+frame is accepted or refused against this worker's state): a Heartbeat or BootstrapInfo is
 accepted only from a bootstrapped peer or an address this worker has a reason to talk to
 (a P named in one of its rooms, a D whose Destination it holds for a live room, an address
 it asked, a sender whose heartbeat lists a room this worker holds). Everything else is dropped and counted in
@@ -56,6 +58,7 @@ from kvrelay.core.clock import Clock, MonotonicClock
 from kvrelay.core.config import LifecycleConfig, TransferConfig
 from kvrelay.core.kvlayout import KVLayout, paired_runs
 from kvrelay.disagg import wire
+from kvrelay.disagg.auth import ChannelAuth
 from kvrelay.disagg.channel import Channel, Received, ZmqChannel
 from kvrelay.disagg.faults import Faults, FaultSpec, FaultyChannel
 from kvrelay.disagg.transfer.base import (KVReceiver, KVSender, PeerInfo, TransferManager,
@@ -314,7 +317,9 @@ class CommonManager(TransferManager):
 
     def __init__(self, layout: KVLayout, transfer: TransferConfig | None = None, *,
                  lifecycle: LifecycleConfig | None = None, clock: Clock | None = None,
-                 channel: Channel | None = None, worker_id: str | None = None) -> None:
+                 channel: Channel | None = None, worker_id: str | None = None,
+                 auth: ChannelAuth | None = None) -> None:
+        """`auth`: seal and verify every frame of the channel with the cluster key."""
         self.layout = layout
         self.transfer = transfer or TransferConfig(transfer_backend=self.name)
         self.lifecycle = lifecycle or LifecycleConfig()
@@ -325,6 +330,9 @@ class CommonManager(TransferManager):
         if channel is None:
             channel = ZmqChannel(self.transfer.transfer_host, self.transfer.transfer_port,
                                  max_msg_size=max(wire.MAX_FRAME_BYTES, self.max_data_frame()))
+        if auth is not None:
+            channel.auth = auth
+        self._wire = channel   # the channel under any fault injection: seals and opens blobs
         self.channel: Channel = FaultyChannel(channel, self.faults, self.clock)
         self.address = channel.address
         self.pool: memoryview | None = None
@@ -396,6 +404,16 @@ class CommonManager(TransferManager):
                 self._landed_from[rcv.peer_address] = (self._landed_from.get(rcv.peer_address, 0)
                                                        + len(rcv.landed) - before)
             rcv._maybe_done()
+
+    def seal_blob(self, dst: str, msg: wire.Message) -> bytes:
+        """`msg` for `dst` as one byte string, sealed like a channel message: for a
+        backend's own message path (e.g. a NIXL notification)."""
+        return self._wire.blob(dst, msg)
+
+    def open_blob(self, raw: bytes) -> Received | None:
+        """The message of a `seal_blob` string, or None (dropped and counted, like a
+        channel frame)."""
+        return self._wire.open_blob(raw)
 
     # ---- jobs (fault hook in front of the backend) --------------------------------------
     def send_ack(self, dst: str, ack: wire.Ack) -> None:

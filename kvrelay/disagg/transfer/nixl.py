@@ -19,6 +19,9 @@ Invariants:
   the quarantine after it); a WRITE that completed but whose Aux or Ack is missing is
   still bounded by the lease.
 - The pool's memory outlives its registration (the manager keeps both until close).
+- With a cluster key, a notification is sealed like a channel message (`seal_blob`), and
+  one is accepted only if it verifies and comes from the agent its `src` bootstrapped as;
+  agent metadata itself arrives only in authenticated bootstrap messages.
 `nixl` is an optional dependency: import this module only when the backend is chosen.
 """
 from __future__ import annotations
@@ -36,9 +39,9 @@ os.environ.setdefault("UCX_MODULES", "^ib")
 from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 
 from kvrelay.disagg import wire  # noqa: E402
-from kvrelay.disagg.channel import Received  # noqa: E402
 from kvrelay.disagg.transfer.base import PeerInfo, WriteJob  # noqa: E402
 from kvrelay.disagg.transfer.common import CommonManager  # noqa: E402
+from kvrelay.obs.metrics import reject_input  # noqa: E402
 
 logging.getLogger("nixl").setLevel(logging.WARNING)
 
@@ -106,15 +109,18 @@ class NixlManager(CommonManager):
     def progress(self) -> None:
         # Drives UCX (connection set-up, target-side progress) and collects the Aux that
         # P's writes carry as their notification: it arrives after the write's data.
-        for msgs in self.agent.get_new_notifs().values():
+        for agent, msgs in self.agent.get_new_notifs().items():
+            agent = agent.decode() if isinstance(agent, bytes) else agent
             for raw in msgs:
-                try:
-                    src, msg = wire.decode(raw)
-                except wire.WireError:
+                got = self.open_blob(raw)
+                if got is None or not isinstance(got.msg, (wire.Aux, wire.Ack)):
                     continue
-                if isinstance(msg, (wire.Aux, wire.Ack)):
-                    self._heard[src] = self.clock.now()
-                    self._dispatch_room(Received(src, msg))
+                remote = self._remote.get(got.src)
+                if not (isinstance(remote, tuple) and remote[0] == agent):
+                    reject_input("control", "unknown_peer", got.msg.KIND, got.src)  # not the agent src bootstrapped
+                    continue
+                self._heard[got.src] = self.clock.now()
+                self._dispatch_room(got)
         super().progress()
 
     def send_ack(self, dst: str, ack: wire.Ack) -> None:
@@ -124,7 +130,7 @@ class NixlManager(CommonManager):
         if not isinstance(remote, tuple):
             super().send_ack(dst, ack)
         elif not self.faults.drops(ack):
-            self.agent.send_notif(remote[0], wire.encode(ack, self.address))
+            self.agent.send_notif(remote[0], self.seal_blob(dst, ack))
 
     # ---- P side ----------------------------------------------------------------------------
     def write_start(self, job: WriteJob) -> None:
@@ -151,7 +157,7 @@ class NixlManager(CommonManager):
         # (fault injection) is recovered like a lost control Aux, by resending over the channel.
         notif = b""
         if job.aux is not None and not self.faults.drops(job.aux):
-            notif, job.aux_in_band = wire.encode(job.aux, self.address), True
+            notif, job.aux_in_band = self.seal_blob(job.peer.address, job.aux), True
         try:
             state = self.agent.transfer(job.handle, notif)
         except Exception as e:  # noqa: BLE001
