@@ -9,19 +9,22 @@ import typing
 
 from kvrelay.core.config import KVRelayConfig
 
-WORKER_SECTIONS = ("model", "kv", "scheduler", "server", "lifecycle", "transfer")
+WORKER_SECTIONS = ("model", "kv", "scheduler", "server", "lifecycle", "transfer", "security")
 
 # Config sections each command reads its flags from.
 SECTIONS = {
     "serve": (*WORKER_SECTIONS, "cluster", "router"),
     "prefill": WORKER_SECTIONS,
     "decode": WORKER_SECTIONS,
-    "router": ("model", "server", "router", "cluster"),
+    "router": ("model", "server", "router", "cluster", "security"),
 }
 # Fields a command has no flag for: `serve` starts its own workers, so it takes no worker
 # URLs; `router` starts none, so of the cluster section it keeps only --startup-timeout.
+# Workers take no API keys: only the router and colocated servers face clients.
+_CLIENT_FACING = {"security.api_key", "security.max_streams_per_key"}
 SKIPPED = {"serve": {"router.prefill", "router.decode"},
-           "router": {"cluster.num_prefill", "cluster.num_decode", "cluster.worker_threads"}}
+           "router": {"cluster.num_prefill", "cluster.num_decode", "cluster.worker_threads"},
+           "prefill": _CLIENT_FACING, "decode": _CLIENT_FACING}
 
 COMMAND_HELP = {
     "serve": "serve the OpenAI-compatible API: by default a router plus prefill and decode workers "
@@ -29,6 +32,8 @@ COMMAND_HELP = {
     "prefill": "run a prefill worker (give each worker its own --port; the default is 8000)",
     "decode": "run a decode worker (give each worker its own --port; the default is 8000)",
     "router": "run the router in front of prefill and decode workers started elsewhere",
+    "keygen": "print a new random cluster key (kvrelay keygen > cluster.key && chmod 600 cluster.key; "
+              "give every process of the cluster --cluster-key-file cluster.key)",
 }
 
 
@@ -55,6 +60,8 @@ def add_section_flags(parser: argparse.ArgumentParser, section: str, skip: typin
             kwargs["choices"] = f.metadata["choices"]
         if "nargs" in f.metadata:  # a tuple field: several values after one flag
             kwargs.update(nargs=f.metadata["nargs"], type=str, metavar="VALUE")
+            if f.metadata.get("action") == "extend":  # the flag may also be repeated
+                kwargs.update(action="extend", default=[])
         elif tp is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
@@ -87,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "on this host; colocated: one process does prefill and decode (default: disagg)")
         for section in sections:
             add_section_flags(p, section, SKIPPED.get(command, ()))
+    sub.add_parser("keygen", help=COMMAND_HELP["keygen"], description=COMMAND_HELP["keygen"])
     return parser
 
 
@@ -113,6 +121,11 @@ def _run(command: str, mode: str | None, config: KVRelayConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.command == "keygen":
+        from kvrelay.core.keys import ClusterKey
+
+        print(ClusterKey.generate().export())
+        return
     try:
         config = config_from_args(args)
     except ValueError as exc:

@@ -3,7 +3,8 @@
     python tests/chaos.py --seeds 0-19 [--prefill 1 --decode 2] [--short]
 
 One cluster of real `kvrelay prefill|decode|router` processes on a tiny random model
-(short leases, the last decode worker with a small KV pool) serves one episode per seed
+(short leases, the last decode worker with a small KV pool, one cluster key, so every
+control message is signed and every worker call carries the token) serves one episode per seed
 and is reused across them; a worker an episode killed is restarted. An episode, drawn
 from `random.Random(seed)`: a load of mixed streaming and non-streaming greedy
 completions (some clients leave mid-stream, some abort a plain request), and one or two
@@ -286,7 +287,7 @@ class Harness:
 
     def start(self) -> None:
         c = Cluster(["--model", f"random:{self.model_dir}"], ["--dtype", "float32", "--max-kv-tokens", "16384"],
-                    num_prefill=self.num_prefill, num_decode=self.num_decode)
+                    num_prefill=self.num_prefill, num_decode=self.num_decode, keyed=True)
         c.decode[-1].argv += ["--max-kv-tokens", SMALL_POOL]   # argparse: the last value wins
         for p in c.workers:
             p.argv += ["--transfer-timeout", str(TRANSFER_TIMEOUT), *self.worker_flags]

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from kvrelay.core.keys import ENV as KEY_ENV
+from kvrelay.core.keys import ClusterKey
 from serving_helpers import free_port, gauge, metric_samples, wait_healthy
 
 # Short leases so that failures show within seconds; long backstops so that a test passing
@@ -31,6 +33,7 @@ ROUTER_LEASE = HEALTH_INTERVAL * HEALTH_MISSES
 class Proc:
     def __init__(self, name: str, argv: list[str], port: int, log_dir: Path) -> None:
         self.name, self.argv, self.port = name, argv, port
+        self.env: dict[str, str] = {}     # added to the process's environment (e.g. the cluster key)
         self.log = log_dir / f"{name}.log"
         self.popen: subprocess.Popen | None = None
 
@@ -40,7 +43,7 @@ class Proc:
 
     def start(self) -> "Proc":
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
-                   UCX_MODULES="^ib")
+                   UCX_MODULES="^ib", **self.env)
         with open(self.log, "ab") as out:
             self.popen = subprocess.Popen([sys.executable, "-m", "kvrelay", *self.argv, "--port", str(self.port)],
                                           stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -73,11 +76,14 @@ class Proc:
 
 
 class Cluster:
-    """1+ prefill and 1+ decode workers and a router over them, all on localhost."""
+    """1+ prefill and 1+ decode workers and a router over them, all on localhost. `keyed`:
+    every process shares a generated cluster key (in KVRELAY_CLUSTER_KEY), so the workers
+    sign their control messages and want the router's token on their HTTP API."""
 
     def __init__(self, model_args: list[str], worker_args: list[str] = (), num_prefill: int = 1,
-                 num_decode: int = 2, backend: str = "shm") -> None:
+                 num_decode: int = 2, backend: str = "shm", keyed: bool = False) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvrelay-cluster-"))
+        self.key = ClusterKey.generate() if keyed else None
         worker = [*model_args, *worker_args, "--transfer-backend", backend, *LIFECYCLE_FLAGS, "--enable-fault-injection"]
         self.prefill = [Proc(f"prefill-{i}", ["prefill", *worker], free_port(), self.dir) for i in range(num_prefill)]
         self.decode = [Proc(f"decode-{i}", ["decode", *worker], free_port(), self.dir) for i in range(num_decode)]
@@ -95,7 +101,15 @@ class Cluster:
     def url(self) -> str:
         return self.router.url
 
+    @property
+    def worker_headers(self) -> dict[str, str]:
+        """What a call to a worker's API needs (the router's token in a keyed cluster)."""
+        return {"Authorization": f"Bearer {self.key.http_token}"} if self.key else {}
+
     def start(self) -> "Cluster":
+        if self.key is not None:
+            for p in [self.router, *self.workers]:
+                p.env[KEY_ENV] = self.key.export()
         for p in self.workers:
             p.start()
         for p in self.workers:
@@ -123,7 +137,7 @@ class Cluster:
 
     def set_faults(self, procs: list[Proc], spec: str) -> None:
         for p in procs:
-            r = httpx.post(f"{p.url}/debug/faults", json={"spec": spec}, timeout=10)
+            r = httpx.post(f"{p.url}/debug/faults", json={"spec": spec}, headers=self.worker_headers, timeout=10)
             assert r.status_code == 200, r.text
 
     def assert_no_leak(self, timeout: float = 15.0) -> None:

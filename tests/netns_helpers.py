@@ -208,7 +208,8 @@ class NsProc(Proc):
     def __init__(self, name: str, argv: list[str], port: int, log_dir, prefix: list[str], host: str,
                  env: dict | None = None) -> None:
         super().__init__(name, [*argv, "--host", host], port, log_dir)
-        self.prefix, self.host, self.env = prefix, host, env or {}
+        self.prefix, self.host = prefix, host
+        self.env.update(env or {})
 
     @property
     def url(self) -> str:
@@ -229,11 +230,12 @@ class NetnsCluster(Cluster):
     """One prefill worker in namespace P, one decode worker in namespace D, the router in
     the root namespace; the transfer endpoints bind on the P<->D link. With nixl, UCX is
     kept on that link too (`Netns.ucx_env`): its tcp transport on the P<->D interface, no
-    shared-memory shortcut between the two processes of this one machine."""
+    shared-memory shortcut between the two processes of this one machine. Workers off
+    loopback need the cluster key, so the cluster is always keyed."""
 
     def __init__(self, net: Netns, model_args: list[str], worker_args: list[str] = (), backend: str = "tcp",
                  router_args: list[str] = ()) -> None:
-        super().__init__(model_args, worker_args, num_prefill=1, num_decode=1, backend=backend)
+        super().__init__(model_args, worker_args, num_prefill=1, num_decode=1, backend=backend, keyed=True)
         self.net = net
 
         def ns_proc(old: Proc, side: str) -> NsProc:

@@ -1,7 +1,9 @@
 """Helpers for tests that run kvrelay as real processes."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -96,3 +98,38 @@ def assert_no_leak(url: str, timeout: float = 10.0) -> None:
             if time.monotonic() > deadline:
                 raise AssertionError(f"leak at {u}: phase gauges {phases}, free pages {free}, total pages {total}")
             time.sleep(0.2)
+
+
+async def call_asgi(app, path: str, body: dict, disconnect_after_chunks: int, spec: str = "2.3",
+                    headers: dict[str, str] | None = None) -> list[dict]:
+    """Drive the ASGI app directly: the client sends `body`, then disconnects once it has
+    received `disconnect_after_chunks` response body messages (0: right after sending).
+    Starlette cancels a stream on disconnect under ASGI spec < 2.4 only; kvrelay must
+    abort under both. `headers`: extra request headers (e.g. Authorization)."""
+    raw = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": path, "raw_path": b"", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()),
+                         *((k.lower().encode(), v.encode()) for k, v in (headers or {}).items())],
+             "client": ("127.0.0.1", 1), "server": ("kvrelay", 80)}
+    sent: list[dict] = []
+    gone = asyncio.Event()
+    if disconnect_after_chunks == 0:
+        gone.set()
+    request_sent = False
+
+    async def receive():
+        nonlocal request_sent
+        if not request_sent:
+            request_sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        if message["type"] == "http.response.body" and len(sent) > disconnect_after_chunks:
+            gone.set()
+
+    await asyncio.wait_for(app(scope, receive, send), timeout=60)
+    return sent

@@ -13,6 +13,7 @@ import pytest
 
 from kvrelay.engine.types import FinishReason, StepOutput
 from kvrelay.server.openai_api import build_openai_app
+from serving_helpers import call_asgi
 
 pytestmark = pytest.mark.anyio
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -380,37 +381,6 @@ async def test_failure_before_first_token_keeps_its_status(app, tiny_engine, mon
 
 # -- client disconnect --------------------------------------------------------------------
 
-async def call_asgi(app, path: str, body: dict, disconnect_after_chunks: int, spec: str = "2.3") -> list[dict]:
-    """Drive the ASGI app directly: the client sends `body`, then disconnects once it has
-    received `disconnect_after_chunks` response body messages (0: right after sending).
-    Starlette cancels a stream on disconnect under ASGI spec < 2.4 only; kvrelay must
-    abort under both."""
-    raw = json.dumps(body).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": path, "raw_path": b"", "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
-             "client": ("127.0.0.1", 1), "server": ("kvrelay", 80)}
-    sent: list[dict] = []
-    gone = asyncio.Event()
-    if disconnect_after_chunks == 0:
-        gone.set()
-    request_sent = False
-
-    async def receive():
-        nonlocal request_sent
-        if not request_sent:
-            request_sent = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message):
-        sent.append(message)
-        if message["type"] == "http.response.body" and len(sent) > disconnect_after_chunks:
-            gone.set()
-
-    await asyncio.wait_for(app(scope, receive, send), timeout=60)
-    return sent
 
 
 @pytest.mark.parametrize("spec", ["2.3", "2.4"])

@@ -11,7 +11,7 @@ import time
 import pytest
 import zmq
 
-from disagg_helpers import CFG, DT, Harness, LAYOUT, checksum, pattern
+from disagg_helpers import CFG, DT, Harness, checksum, pattern
 from kvrelay.core.keys import ClusterKey
 from kvrelay.disagg import wire
 from kvrelay.disagg.auth import WINDOW, AuthError, ChannelAuth

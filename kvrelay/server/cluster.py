@@ -6,6 +6,9 @@ Invariants:
   process, which stops the router first and then the children), and the kernel sends
   them SIGTERM if this process dies without stopping them (PR_SET_PDEATHSIG).
 - Every exit path stops every child: SIGTERM, up to STOP_GRACE seconds, then SIGKILL.
+- The cluster always has a key (see `server.security`): --cluster-key-file or
+  KVRELAY_CLUSTER_KEY, else one made for this run. Children get it as the file's path or
+  in their environment, never on their command line; the router uses the same key.
 """
 from __future__ import annotations
 
@@ -24,12 +27,15 @@ from collections import deque
 import httpx
 
 from kvrelay.core.clock import MonotonicClock
-from kvrelay.core.config import KVRelayConfig, to_cli_args
+from kvrelay.core.config import KVRelayConfig, SecurityConfig, to_cli_args
+from kvrelay.core.keys import ENV as KEY_ENV
+from kvrelay.core.keys import ClusterKey
 from kvrelay.obs.logs import setup_logging
 from kvrelay.server.errors import StartupError
 from kvrelay.server.pairing import WorkerTable
 from kvrelay.server.router import RouterClient, router_tokenizer, run_router
-from kvrelay.server.startup import stop_on_sigterm
+from kvrelay.server.security import api_gate, auth_headers, check_tls, load_cluster_key
+from kvrelay.server.startup import serving_url, stop_on_sigterm
 
 STOP_GRACE = 15.0
 TAIL_LINES = 30
@@ -72,19 +78,39 @@ def worker_argv(config: KVRelayConfig, role: str, port: int, ordinal: int = 0) -
         transfer = dataclasses.replace(transfer, transfer_port=transfer.transfer_port + ordinal)
     for section in WORKER_SECTIONS:
         args += to_cli_args(transfer if section == "transfer" else getattr(config, section))
+    args += to_cli_args(worker_security(config.security))
     return args + to_cli_args(dataclasses.replace(config.server, host=WORKER_HOST, port=port))
+
+
+def worker_security(sec: SecurityConfig) -> SecurityConfig:
+    """What of the security section a local worker gets: the key file, --protect-metrics
+    and --replay-window. Not the API keys (only the router faces clients) and not TLS
+    (workers listen on loopback, plain HTTP)."""
+    return SecurityConfig(cluster_key_file=sec.cluster_key_file, protect_metrics=sec.protect_metrics,
+                          replay_window=sec.replay_window)
+
+
+def worker_env(key: ClusterKey, sec: SecurityConfig, threads: int) -> dict[str, str]:
+    """A child's environment: the generated (or inherited) key in KVRELAY_CLUSTER_KEY,
+    unless it reads --cluster-key-file."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    env.pop(KEY_ENV, None)
+    if not sec.cluster_key_file:
+        env[KEY_ENV] = key.export()
+    return env
 
 
 class WorkerProcess:
     """One child worker: the process, the thread that forwards its output to our stderr
     with a `[prefill-0] ` prefix, and the last lines it printed."""
 
-    def __init__(self, role: str, index: int, ordinal: int, config: KVRelayConfig, threads: int) -> None:
+    def __init__(self, role: str, index: int, ordinal: int, config: KVRelayConfig, threads: int,
+                 key: ClusterKey) -> None:
         self.role, self.index = role, index
         self.port = _free_port()
         self.url = f"http://{WORKER_HOST}:{self.port}"
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+        env = worker_env(key, config.security, threads)
         self.proc = subprocess.Popen(worker_argv(config, role, self.port, ordinal), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, preexec_fn=_die_with_parent())
@@ -127,10 +153,10 @@ class WorkerProcess:
 
 
 class LocalCluster:
-    """The child workers of `kvrelay serve`."""
+    """The child workers of `kvrelay serve`, all under cluster key `key`."""
 
-    def __init__(self, config: KVRelayConfig) -> None:
-        self.config = config
+    def __init__(self, config: KVRelayConfig, key: ClusterKey) -> None:
+        self.config, self.key = config, key
         self.workers: list[WorkerProcess] = []
 
     def start(self) -> None:
@@ -138,7 +164,7 @@ class LocalCluster:
         threads = cl.worker_threads or max(1, (os.cpu_count() or 1) // (cl.num_prefill + cl.num_decode))
         for role, count in (("prefill", cl.num_prefill), ("decode", cl.num_decode)):
             for i in range(count):
-                self.workers.append(WorkerProcess(role, i, len(self.workers), self.config, threads))
+                self.workers.append(WorkerProcess(role, i, len(self.workers), self.config, threads, self.key))
         # Readers start after every fork: forking while threads run risks a child inheriting a held lock.
         for w in self.workers:
             w.start_forwarding()
@@ -152,7 +178,7 @@ class LocalCluster:
         timeout = self.config.cluster.startup_timeout
         deadline = time.monotonic() + timeout
         pending = list(self.workers)
-        with httpx.Client(timeout=2.0) as http:
+        with httpx.Client(timeout=2.0, headers=auth_headers(self.key)) as http:
             while pending:
                 for w in list(pending):
                     code = w.proc.poll()
@@ -194,8 +220,11 @@ def serve_cluster(config: KVRelayConfig) -> None:
     --host/--port until SIGINT/SIGTERM, then stop every worker. Raises StartupError."""
     setup_logging(config.server.log_level)
     stop_on_sigterm()
-    tokenizer = router_tokenizer(config.model)   # a bad --model fails here, before any child starts
-    cluster = LocalCluster(config)
+    # A bad --model, key or TLS file fails here, before any child starts.
+    key, gate = load_cluster_key(config.security) or ClusterKey.generate(), api_gate(config.security)
+    check_tls(config.security)
+    tokenizer = router_tokenizer(config.model)
+    cluster = LocalCluster(config, key)
     try:
         cluster.start()
         cluster.wait_ready()
@@ -204,8 +233,9 @@ def serve_cluster(config: KVRelayConfig) -> None:
 
         def banner(router: RouterClient) -> str:
             return (f"kvrelay serve: model {router.model_name}, {cl.num_prefill} prefill + {cl.num_decode} decode "
-                    f"workers (transfer {config.transfer.transfer_backend}), serving on http://{srv.host}:{srv.port}")
+                    f"workers (transfer {config.transfer.transfer_backend}), serving on "
+                    f"{serving_url(srv, config.security)}")
 
-        asyncio.run(run_router(config, table, tokenizer, banner))
+        asyncio.run(run_router(config, table, tokenizer, banner, key=key, gate=gate))
     finally:
         cluster.stop()

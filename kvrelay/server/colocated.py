@@ -10,32 +10,37 @@ from kvrelay.engine.loader import load_model
 from kvrelay.obs.metrics import ServingMetrics
 from kvrelay.server.observe import observability_router
 from kvrelay.server.openai_api import build_openai_app
-from kvrelay.server.startup import load_with_progress, run_uvicorn, startup_line
+from kvrelay.server.security import Gate, api_gate, check_tls
+from kvrelay.server.startup import load_with_progress, run_uvicorn, serving_url, startup_line
 
 PHASES = ("waiting", "running")
 
 
-def colocated_app(engine: AsyncEngine):
-    """The API of one engine, with /metrics and /debug/requests."""
+def colocated_app(engine: AsyncEngine, gate: Gate | None = None):
+    """The API of one engine, with /metrics and /debug/requests, behind `gate`."""
     metrics = ServingMetrics("colocated", PHASES, lambda: engine.call(lambda core: core.snapshot(), timeout=10))
     engine.core.metrics = metrics  # set before the first request is served
 
     async def debug_rows() -> list[dict]:
         return await asyncio.to_thread(engine.call, lambda core: core.debug_rows())
 
-    return build_openai_app(engine, extra_routes=[observability_router(metrics, debug_rows)])
+    return build_openai_app(engine, extra_routes=[observability_router(metrics, debug_rows)], gate=gate)
 
 
 def serve_colocated(config: KVRelayConfig) -> None:
+    """Raises StartupError."""
+    gate = api_gate(config.security)   # bad keys or TLS files fail before the model loads
+    check_tls(config.security)
+
     def build_core() -> EngineCore:  # runs on the engine thread: it alone touches torch
         return EngineCore(load_with_progress(load_model, config.model), config.kv, config.scheduler)
 
     engine = AsyncEngine(build_core)
-    app = colocated_app(engine)
+    app = colocated_app(engine, gate)
     srv = config.server
-    print(startup_line("colocated", engine.core.loaded, engine.core.capacity_tokens, f"http://{srv.host}:{srv.port}"),
-          flush=True)
+    print(startup_line("colocated", engine.core.loaded, engine.core.capacity_tokens,
+                       serving_url(srv, config.security)), flush=True)
     try:
-        run_uvicorn(app, srv)
+        run_uvicorn(app, srv, config.security)
     finally:
         engine.shutdown()

@@ -3,7 +3,9 @@
 Every error the API returns has the body `{"error": {"message", "type", "param", "code"}}`,
 whatever raised it: request validation (FastAPI's 422 becomes 400), our own checks,
 `RequestRejected` from the engine, unknown routes, a body over `MAX_BODY_BYTES` (413) or
-one that arrives too slowly (408), or a bug (500; the server keeps serving).
+one that arrives too slowly (408), a missing or wrong credential (401) or too many
+requests in flight for one (429; both from `server.security`), or a bug (500; the server
+keeps serving).
 
 Every JSON body goes out through `SafeJSONResponse`: text that cannot be encoded as UTF-8
 (a lone UTF-16 surrogate) is replaced, never raised.
@@ -32,8 +34,8 @@ log = logging.getLogger("kvrelay.server")
 MAX_BODY_BYTES = 4 * 1024 * 1024
 BODY_TIMEOUT_S = 30.0
 
-# HTTP status -> OpenAI error type.
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+# HTTP status -> OpenAI error type (OpenAI's own 401 for a bad API key is an invalid_request_error).
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
           405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
           429: "rate_limit_error", 503: "overloaded_error"}
 

@@ -20,17 +20,21 @@ from kvrelay.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoi
                                      ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
                                      CompletionRequest, CompletionResponse, ModelCard, ModelList, Usage,
                                      chat_logprobs, completion_logprobs, now)
+from kvrelay.server.security import Gate, guard
 from kvrelay.server.sse import Collected, Renderer, RequestStream, abort_on_disconnect, collect, sse_events
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def build_openai_app(client: EngineClient, *, extra_routes: Iterable[APIRouter | BaseRoute] | None = None) -> FastAPI:
+def build_openai_app(client: EngineClient, *, extra_routes: Iterable[APIRouter | BaseRoute] | None = None,
+                     gate: Gate | None = None) -> FastAPI:
     """The API app. `extra_routes` (routers or single routes: /metrics, /debug/requests,
-    /abort, ...) are mounted beside the OpenAI routes."""
+    /abort, ...) are mounted beside the OpenAI routes. `gate`: the API keys and per-key
+    limit every route but /health and /metrics is behind (`security.api_gate`)."""
     app = FastAPI(title="kvrelay", summary="OpenAI-compatible API of a kvrelay server")
     install_handlers(app)
+    guard(app, gate)
     app.include_router(OpenAIServing(client).router())
     for route in extra_routes or ():
         if isinstance(route, APIRouter):

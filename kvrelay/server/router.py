@@ -32,6 +32,7 @@ from fastapi import APIRouter, FastAPI
 
 from kvrelay.core.clock import Clock, MonotonicClock
 from kvrelay.core.config import KVRelayConfig, ModelOptions, RouterConfig
+from kvrelay.core.keys import ClusterKey
 from kvrelay.engine.types import EngineClient, FinishReason, GenerateRequest, RequestRejected, StepOutput
 from kvrelay.obs.logs import setup_logging
 from kvrelay.obs.metrics import ServingMetrics, Snapshot
@@ -39,7 +40,8 @@ from kvrelay.server.errors import OpenAIError, StartupError, retry_headers
 from kvrelay.server.observe import observability_router
 from kvrelay.server.openai_api import build_openai_app
 from kvrelay.server.pairing import NoPair, Pair, WorkerTable
-from kvrelay.server.startup import stop_on_sigterm, uvicorn_options
+from kvrelay.server.security import Gate, api_gate, auth_headers, check_tls, load_cluster_key, worker_verify
+from kvrelay.server.startup import serving_url, stop_on_sigterm, uvicorn_options
 from kvrelay.server.worker_client import (ABORT_TIMEOUT, PEER_FAILED, LegFailure, WorkerAPI, WorkerMonitor,
                                           failure_of)
 from kvrelay.server.worker_protocol import LegRequest, WireSampling
@@ -376,9 +378,9 @@ def merged(outs: list[StepOutput]) -> StepOutput:
 
 # ---------------------------------------------------------------- serving
 
-def router_app(router: RouterClient) -> FastAPI:
+def router_app(router: RouterClient, gate: Gate | None = None) -> FastAPI:
     """The OpenAI API over the router, /metrics, /debug/requests (the router's requests and
-    every worker's), and GET /workers (the worker table)."""
+    every worker's), and GET /workers (the worker table), behind `gate` (API keys)."""
     extra = APIRouter()
 
     @extra.get("/workers")
@@ -386,7 +388,7 @@ def router_app(router: RouterClient) -> FastAPI:
         return {"workers": router.table.rows()}
 
     observe = observability_router(router.metrics, router.debug_view)
-    return build_openai_app(router, extra_routes=[observe, extra])
+    return build_openai_app(router, extra_routes=[observe, extra], gate=gate)
 
 
 def router_tokenizer(opts: ModelOptions):
@@ -404,24 +406,25 @@ def worker_table(cfg: RouterConfig, clock: Clock) -> WorkerTable:
     Raises StartupError for a URL that is not http(s)://host:port or is listed twice."""
     for url in cfg.prefill + cfg.decode:
         if not url.startswith(("http://", "https://")):
-            raise StartupError(f"worker URL {url!r} must start with http:// (e.g. http://10.0.0.5:8000)")
+            raise StartupError(f"worker URL {url!r} must start with http:// or https:// (e.g. http://10.0.0.5:8000)")
     try:
         return WorkerTable([u.rstrip("/") for u in cfg.prefill], [u.rstrip("/") for u in cfg.decode], clock)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
 
 
-async def run_router(config: KVRelayConfig, table: WorkerTable, tokenizer,
-                     banner: Callable[[RouterClient], str]) -> None:
+async def run_router(config: KVRelayConfig, table: WorkerTable, tokenizer, banner: Callable[[RouterClient], str],
+                     *, key: ClusterKey | None, gate: Gate) -> None:
     """Wait for the workers in `table` (bounded by --startup-timeout), print
-    `banner(router)`, serve on --host/--port until SIGINT/SIGTERM. Raises StartupError."""
-    cfg, srv = config.router, config.server
-    api = WorkerAPI(cfg)
+    `banner(router)`, serve on --host/--port until SIGINT/SIGTERM. Every call to a worker
+    carries `key`'s token; clients must get past `gate`. Raises StartupError."""
+    cfg, srv, sec = config.router, config.server, config.security
+    api = WorkerAPI(cfg, headers=auth_headers(key), verify=worker_verify(sec))
     try:
         monitor = WorkerMonitor(table, api, cfg)
         model, max_model_len = await monitor.wait_ready(config.cluster.startup_timeout, table.clock)
         router = RouterClient(cfg, table, api, monitor, tokenizer, model, max_model_len, table.clock)
-        server = uvicorn.Server(uvicorn.Config(router_app(router), **uvicorn_options(srv),
+        server = uvicorn.Server(uvicorn.Config(router_app(router, gate), **uvicorn_options(srv, sec),
                                                timeout_graceful_shutdown=SHUTDOWN_GRACE))
         print(banner(router), flush=True)
         health = asyncio.create_task(monitor.run())
@@ -437,6 +440,8 @@ async def run_router(config: KVRelayConfig, table: WorkerTable, tokenizer,
 def serve_router(config: KVRelayConfig) -> None:
     """`kvrelay router --prefill URL... --decode URL...`; blocks. Raises StartupError."""
     table = worker_table(config.router, MonotonicClock())
+    key, gate = load_cluster_key(config.security), api_gate(config.security)
+    check_tls(config.security)
     tokenizer = router_tokenizer(config.model)
     setup_logging(config.server.log_level)
     stop_on_sigterm()
@@ -445,6 +450,6 @@ def serve_router(config: KVRelayConfig) -> None:
     def banner(router: RouterClient) -> str:
         return (f"kvrelay router: model {router.model_name} (max_model_len {router.max_model_len}), "
                 f"{len(cfg.prefill)} prefill + {len(cfg.decode)} decode workers, "
-                f"serving on http://{srv.host}:{srv.port}")
+                f"serving on {serving_url(srv, config.security)}")
 
-    asyncio.run(run_router(config, table, tokenizer, banner))
+    asyncio.run(run_router(config, table, tokenizer, banner, key=key, gate=gate))

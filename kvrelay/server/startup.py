@@ -7,7 +7,7 @@ import sys
 import uvicorn
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvrelay.core.config import ServerConfig
+from kvrelay.core.config import SecurityConfig, ServerConfig
 
 
 def load_with_progress(load_model, opts):
@@ -41,15 +41,24 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
-def uvicorn_options(srv: ServerConfig) -> dict:
-    """The uvicorn settings every serving command shares: where to listen, and the
-    connection limits (an idle keep-alive connection is closed after
-    --timeout-keep-alive; beyond --limit-concurrency connections and requests, new ones
-    get 503). Request bodies are bounded by the apps themselves (`errors.BodyLimit`)."""
-    return dict(host=srv.host, port=srv.port, log_level=srv.log_level, access_log=False,
+def serving_url(srv: ServerConfig, sec: SecurityConfig) -> str:
+    """The URL a start-up line prints: https:// when --ssl-certfile is set."""
+    return f"{'https' if sec.ssl_certfile else 'http'}://{srv.host}:{srv.port}"
+
+
+def uvicorn_options(srv: ServerConfig, sec: SecurityConfig | None = None) -> dict:
+    """The uvicorn settings every serving command shares: where to listen, the connection
+    limits (an idle keep-alive connection is closed after --timeout-keep-alive; beyond
+    --limit-concurrency connections and requests, new ones get 503), and HTTPS with
+    --ssl-certfile/--ssl-keyfile. Request bodies are bounded by the apps themselves
+    (`errors.BodyLimit`); who may call them, by `security.Guard`."""
+    opts = dict(host=srv.host, port=srv.port, log_level=srv.log_level, access_log=False,
                 timeout_keep_alive=srv.timeout_keep_alive, limit_concurrency=srv.limit_concurrency)
+    if sec is not None and sec.ssl_certfile:
+        opts.update(ssl_certfile=sec.ssl_certfile, ssl_keyfile=sec.ssl_keyfile)
+    return opts
 
 
-def run_uvicorn(app, srv: ServerConfig) -> None:
+def run_uvicorn(app, srv: ServerConfig, sec: SecurityConfig | None = None) -> None:
     stop_on_sigterm()
-    uvicorn.run(app, **uvicorn_options(srv))
+    uvicorn.run(app, **uvicorn_options(srv, sec))

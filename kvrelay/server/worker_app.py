@@ -4,16 +4,17 @@ steps the lifecycle and heartbeats its peers), and the HTTP endpoints the router
 
 Every route reads worker state through `AsyncEngine.call`, i.e. on the engine thread
 between steps: a worker whose loop hangs stops answering /health, and the router drops it.
+
+Who may call it (`server.security`): with a cluster key, every route but /health and
+/metrics needs the router's token; without one, the worker listens on loopback only.
 """
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
-import os
 from typing import AsyncIterator
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from kvrelay.core.config import KVRelayConfig
@@ -28,7 +29,8 @@ from kvrelay.obs.logs import setup_logging
 from kvrelay.obs.metrics import ServingMetrics
 from kvrelay.server.errors import StartupError, install_handlers, invalid
 from kvrelay.server.observe import observability_router
-from kvrelay.server.startup import load_with_progress, run_uvicorn, startup_line
+from kvrelay.server.security import AUTH_SCOPE, Gate, check_tls, check_worker, guard, load_cluster_key, worker_gate
+from kvrelay.server.startup import load_with_progress, run_uvicorn, serving_url, startup_line
 from kvrelay.server.worker_protocol import AbortRequest, FaultsRequest, LegRequest, WorkerHealth, output_to_json
 
 log = logging.getLogger("kvrelay.worker")
@@ -36,30 +38,13 @@ log = logging.getLogger("kvrelay.worker")
 CORES: dict[str, type[WorkerCore]] = {"prefill": PrefillCore, "decode": DecodeCore}
 
 
-def check_fault_injection(config: KVRelayConfig) -> None:
-    """Fault injection exists only on purpose, and only on one host: nothing without a
-    key may switch faults on over the network. Raises StartupError."""
-    transfer, srv = config.transfer, config.server
-    asked = transfer.fault_spec or os.environ.get("KVRELAY_FAULTS")
-    if asked and not transfer.enable_fault_injection:
-        raise StartupError("a fault spec (--fault-spec or KVRELAY_FAULTS) needs --enable-fault-injection")
-    if transfer.enable_fault_injection and not (_loopback(srv.host) and _loopback(transfer.transfer_host)):
-        raise StartupError("--enable-fault-injection needs --host and --transfer-host on loopback (127.0.0.1): "
-                           "anyone who reaches the port could switch faults on")
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-def worker_app(engine: AsyncEngine, metrics: ServingMetrics, faults: bool = False) -> FastAPI:
-    """`faults`: serve POST /debug/faults (--enable-fault-injection)."""
+def worker_app(engine: AsyncEngine, metrics: ServingMetrics, faults: bool = False, gate: Gate | None = None) -> FastAPI:
+    """`faults`: serve POST /debug/faults (--enable-fault-injection). `gate`: the router's
+    cluster token, which every route but /health and /metrics needs (`security.worker_gate`)."""
     core: WorkerCore = engine.core  # read only through engine.call (the engine thread)
     app = FastAPI(title=f"kvrelay {core.role} worker")
     install_handlers(app)
+    guard(app, gate)
     routes = APIRouter()
 
     async def on_engine(fn, timeout: float = 30.0):
@@ -81,8 +66,9 @@ def worker_app(engine: AsyncEngine, metrics: ServingMetrics, faults: bool = Fals
         return {"aborted": await on_engine(lambda c: c.abort_leg(body.rid))}
 
     @routes.get("/health")
-    async def health() -> dict:
-        return WorkerHealth(**await on_engine(lambda c: c.health(), timeout=10.0)).model_dump()
+    async def health(request: Request) -> dict:
+        view = await on_engine(lambda c: c.health(), timeout=10.0)
+        return WorkerHealth(**view, auth=request.scope.get(AUTH_SCOPE, "off")).model_dump()
 
     async def set_faults(body: FaultsRequest) -> dict:
         """Replace this worker's fault-injection spec at run time (chaos tests, drills);
@@ -120,14 +106,19 @@ async def _lines(engine: AsyncEngine, greq: GenerateRequest, kwargs: dict) -> As
 
 
 def serve_worker(config: KVRelayConfig, role: str) -> None:
-    check_fault_injection(config)
+    """Raises StartupError (a bind the cluster key does not allow, a bad key or TLS file,
+    a core that cannot start)."""
+    key = load_cluster_key(config.security)
+    check_worker(config, role, key)
+    check_tls(config.security)
     setup_logging(config.server.log_level)
     cls = CORES[role]
     metrics = ServingMetrics(role, cls.PHASES, lambda: engine.call(lambda c: c.snapshot(), timeout=10))
 
     def build_core() -> WorkerCore:  # on the engine thread: it alone touches torch
         loaded = load_with_progress(load_model, config.model)
-        return cls(loaded, config.kv, config.scheduler, config.lifecycle, config.transfer, metrics=metrics)
+        return cls(loaded, config.kv, config.scheduler, config.lifecycle, config.transfer, metrics=metrics,
+                   cluster_key=key, replay_window=config.security.replay_window)
 
     try:
         engine = AsyncEngine(build_core)
@@ -136,10 +127,11 @@ def serve_worker(config: KVRelayConfig, role: str) -> None:
         raise StartupError(f"the {role} worker could not start: {type(exc).__name__}: {exc}") from None
     core = engine.core
     srv = config.server
-    print(startup_line(role, core.loaded, core.capacity_tokens, f"http://{srv.host}:{srv.port}")
+    print(startup_line(role, core.loaded, core.capacity_tokens, serving_url(srv, config.security))
           + f", transfer {core.manager.name} at {core.manager.address}", flush=True)
+    app = worker_app(engine, metrics, config.transfer.enable_fault_injection, worker_gate(key, config.security))
     try:
-        run_uvicorn(worker_app(engine, metrics, config.transfer.enable_fault_injection), srv)
+        run_uvicorn(app, srv, config.security)
     finally:
         engine.shutdown()
         core.close()

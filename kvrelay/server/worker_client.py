@@ -5,13 +5,15 @@ Three connection pools: `streams` for the `POST /generate` legs (no read timeout
 streams for as long as its request decodes, bounded by the router's end-to-end
 deadline), `control` for aborts and debug views, and `checks` for health checks, both
 with a short timeout, so that neither a full stream pool nor aborts piling up on a
-frozen worker ever delay noticing a dead worker.
+frozen worker ever delay noticing a dead worker. Every request of all three carries the
+cluster token when the router has a key (`security.auth_headers`).
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import ssl
 from typing import AsyncIterator, Callable
 
 import httpx
@@ -28,6 +30,8 @@ log = logging.getLogger("kvrelay.router")
 PEER_FAILED = "peer_failed"
 CONNECT_TIMEOUT = 5.0
 ABORT_TIMEOUT = 2.0
+WRONG_KEY = ("refuses the router's cluster token: the router and every worker need the same cluster key "
+             "(--cluster-key-file or KVRELAY_CLUSTER_KEY)")
 
 
 class LegFailure(Exception):
@@ -66,17 +70,20 @@ def _describe(exc: Exception) -> str:
 
 
 class WorkerAPI:
-    def __init__(self, cfg: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
-        """`transport` replaces the network (tests)."""
+    def __init__(self, cfg: RouterConfig, transport: httpx.AsyncBaseTransport | None = None, *,
+                 headers: dict[str, str] | None = None, verify: ssl.SSLContext | bool = True) -> None:
+        """`transport` replaces the network (tests). `headers` go with every request (the
+        cluster token); `verify` checks https:// workers (`security.worker_verify`)."""
         legs = 2 * cfg.max_queued_requests
+        common = dict(transport=transport, headers=headers, verify=verify)
         self.streams = httpx.AsyncClient(
-            transport=transport, timeout=httpx.Timeout(CONNECT_TIMEOUT, read=None, pool=None),
+            **common, timeout=httpx.Timeout(CONNECT_TIMEOUT, read=None, pool=None),
             limits=httpx.Limits(max_connections=legs + 16, max_keepalive_connections=min(legs, 64)))
-        self.control = httpx.AsyncClient(transport=transport, timeout=cfg.health_timeout,
+        self.control = httpx.AsyncClient(**common, timeout=cfg.health_timeout,
                                          limits=httpx.Limits(max_connections=64, max_keepalive_connections=16))
         # Health checks have a pool of their own: aborts piling up on a frozen worker must
         # never delay the checks that keep every other worker's lease.
-        self.checks = httpx.AsyncClient(transport=transport, timeout=cfg.health_timeout,
+        self.checks = httpx.AsyncClient(**common, timeout=cfg.health_timeout,
                                         limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
 
     async def close(self) -> None:
@@ -119,6 +126,8 @@ class WorkerAPI:
         valid WorkerHealth."""
         try:
             resp = await self.checks.get(f"{url}/health")
+            if resp.status_code == 401:   # --protect-metrics: /health itself needs the token
+                raise LegFailure(PEER_FAILED, WRONG_KEY, url, broken=True)
             resp.raise_for_status()
             return WorkerHealth.model_validate_json(resp.content)
         except (httpx.HTTPError, ValueError) as exc:
@@ -141,8 +150,8 @@ class WorkerMonitor:
     each bounded by --health-timeout, so a slow or frozen worker never delays the checks of
     the others. A worker that has answered no check for the lease is dead: `on_dead(url,
     why)` fails every leg open on it. Down workers are checked too, so they rejoin. A
-    worker that reports the wrong role, or another model than the router serves, stays
-    down."""
+    worker that reports the wrong role, another model than the router serves, or that it
+    refused the router's cluster token, stays down."""
 
     def __init__(self, table: WorkerTable, api: WorkerAPI, cfg: RouterConfig,
                  on_dead: Callable[[str, str], None] | None = None) -> None:
@@ -164,7 +173,9 @@ class WorkerMonitor:
             self.failed(url, exc.detail)
             return
         role = self.table.get(url).role
-        if health.role != role:
+        if health.auth == "refused":
+            self.failed(url, WRONG_KEY)
+        elif health.role != role:
             self.failed(url, f"reports role {health.role}, but was given as a {role} worker")
         elif self.model is not None and health.model != self.model:
             self.failed(url, f"serves model {health.model}, not {self.model}")
