@@ -34,6 +34,12 @@ SEEDS ?= 0-19
 chaos: $(BASE) $(NIXL)
 	$(PY) tests/chaos.py --seeds $(SEEDS) $(ARGS)
 
+# The deterministic simulation (kvrelay/sim; docs/simulation.md): SEEDS is a count or a range.
+JOBS ?= 2
+.PHONY: sim
+sim: $(BASE)
+	$(PY) -m kvrelay.sim --seeds $(SEEDS) --jobs $(JOBS) $(ARGS)
+
 bench: $(BASE) $(NIXL)
 	$(PY) benchmarks/serving.py --spawn $(ARGS)
 

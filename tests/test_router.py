@@ -528,7 +528,10 @@ def test_with_no_healthy_decode_worker_the_client_gets_503(cluster):
         err = r.json()["error"]
         assert err["code"] == "no_healthy_worker" and err["type"] == "overloaded_error"
         assert err["message"].startswith(f"no healthy decode worker ({decode.url}: "), err
-        assert workers_table(router.url)[decode.url]["last_error"] in err["message"]
+        # Why it is down, as the table said then: a check that timed out, or (once the
+        # lease has run out too, which a loaded machine may reach first) the lease.
+        reason = err["message"].split(": ", 1)[1]
+        assert reason.startswith(("no answer to GET /health", "no good health check for")), reason
     finally:
         decode.signal(signal.SIGCONT)
     cluster.wait_router_sees_all()

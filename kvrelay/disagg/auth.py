@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import secrets
 import struct
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
+
+from kvrelay.core import ids
 
 MAGIC = b"KVA1"
 _PREFIX = struct.Struct("!4sQQQ8s")
@@ -91,7 +92,7 @@ class ChannelAuth:
         self._wall = wall
         self.replay_window = replay_window
         self.boot = int(wall() * 1000)
-        self.sender = secrets.token_bytes(8)
+        self.sender = bytes.fromhex(ids.token_hex(8))
         self._counter = 0
         self._seen: OrderedDict[str, _Seen] = OrderedDict()
 

@@ -16,8 +16,8 @@ Invariants:
 """
 from __future__ import annotations
 
-import secrets
 
+from kvrelay.core import ids
 from kvrelay.disagg import wire
 from kvrelay.disagg.decode_side import DecodeSide
 from kvrelay.disagg.lifecycle import DPhase, TerminalEvent, phase_name
@@ -48,7 +48,7 @@ class DecodeCore(WorkerCore):
             return None
         # A new epoch per reservation, random: a late write for an old one is recognisable,
         # and no one can guess the current one from the previous.
-        return pages, 1 + secrets.randbelow(wire.I63)
+        return pages, 1 + ids.randbelow(wire.I63)
 
     def _release_room(self, room: int, pages: list[int]) -> None:
         self.allocator.free(("room", room))

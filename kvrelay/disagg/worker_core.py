@@ -21,6 +21,7 @@ from kvrelay.core.clock import Clock
 from kvrelay.core.config import KVCacheConfig, LifecycleConfig, SchedulerConfig, TransferConfig
 from kvrelay.core.keys import ClusterKey
 from kvrelay.disagg.auth import ChannelAuth
+from kvrelay.disagg.channel import Channel
 from kvrelay.disagg.lease import Coordinator
 from kvrelay.disagg.lifecycle import Reason, TerminalEvent, phase_name
 from kvrelay.disagg.transfer import create_manager
@@ -61,13 +62,16 @@ class WorkerCore(EngineCore):
 
     def __init__(self, loaded, kv_cfg: KVCacheConfig, sched_cfg: SchedulerConfig, lifecycle_cfg: LifecycleConfig,
                  transfer_cfg: TransferConfig, clock: Clock | None = None, metrics=None,
-                 cluster_key: ClusterKey | None = None, replay_window: float = 60.0) -> None:
-        """`cluster_key`: sign and verify every control frame with it (disagg.auth)."""
+                 cluster_key: ClusterKey | None = None, replay_window: float = 60.0,
+                 channel: Channel | None = None) -> None:
+        """`cluster_key`: sign and verify every control frame with it (disagg.auth).
+        `channel`: the control channel to use instead of a zmq one (the simulation's)."""
         layout = kv_layout_for(loaded, kv_cfg.page_size)
         self.lifecycle_cfg, self.transfer_cfg = lifecycle_cfg, transfer_cfg
         auth = ChannelAuth(cluster_key.control_key, replay_window) if cluster_key is not None else None
+        extra = {k: v for k, v in (("clock", clock), ("channel", channel)) if v is not None}
         self.manager = create_manager(transfer_cfg.transfer_backend, layout, transfer_cfg, auth=auth,
-                                      lifecycle=lifecycle_cfg, **({"clock": clock} if clock else {}))
+                                      lifecycle=lifecycle_cfg, **extra)
         pool = self.manager.allocate_pool(num_pages_for(kv_cfg, layout))
         super().__init__(loaded, kv_cfg, sched_cfg, clock=self.manager.clock, kv_buffer=pool, metrics=metrics)
         self.legs: dict[int, Leg] = {}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import time
 from typing import Callable
 
 import torch
@@ -53,7 +52,7 @@ class EngineCore:
         self.kv = KVPool(self.layout, num_pages_for(kv_cfg, self.layout), kv_buffer)
         self.allocator = PageAllocator(self.kv.num_pages)
         self.scheduler = Scheduler(sched_cfg, self.allocator, kv_cfg.page_size)
-        self.runner = ModelRunner(loaded.model, self.kv)
+        self.runner = (loaded.make_runner or ModelRunner)(loaded.model, self.kv)
         self.sampler = Sampler()
         self.max_model_len = min(sched_cfg.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.eos_ids = frozenset(loaded.eos_token_ids)
@@ -154,9 +153,9 @@ class EngineCore:
             return
         try:
             if batch.prefill:
-                started = time.perf_counter()
+                started = self.clock.now()
                 self._run_prefill(batch.prefill)
-                self.last_prefill = (sum(i.length for i in batch.prefill), time.perf_counter() - started)
+                self.last_prefill = (sum(i.length for i in batch.prefill), self.clock.now() - started)
             else:
                 self._run_decode(batch.decode)
         except Exception as exc:  # a failed forward ends its batch, never the loop

@@ -8,6 +8,10 @@ steps 1.8x slower). Other threads talk to it
 through `_inbox` (add, abort, call); outputs come back to each request's asyncio queue
 through `loop.call_soon_threadsafe`. An abort is handled at the top of the next
 iteration, so a disconnected client's pages are free within one scheduler step.
+
+One iteration (`iterate`) is the whole loop body; the thread only repeats it. The
+deterministic simulation (`kvrelay.sim`) builds an engine with `threaded=False` and calls
+`iterate()` itself, on its own clock, so it drives exactly this code.
 """
 from __future__ import annotations
 
@@ -35,17 +39,23 @@ def _sink_for(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> Callab
 
 
 class AsyncEngine(EngineClient):
-    def __init__(self, build_core: Callable[[], EngineCore], idle_wait: float = 0.05) -> None:
+    def __init__(self, build_core: Callable[[], EngineCore], idle_wait: float = 0.05, *,
+                 threaded: bool = True) -> None:
         """Starts the engine thread, which runs `build_core()`; returns once it has, or
-        raises what it raised (e.g. ModelLoadError)."""
+        raises what it raised (e.g. ModelLoadError). `threaded=False`: build the core
+        here and start no thread; the caller runs `iterate()` (the simulation)."""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._idle_wait = idle_wait
         self._stop = threading.Event()
-        built: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._main, args=(build_core, built), name="kvrelay-engine",
-                                        daemon=True)
-        self._thread.start()
-        self.core: EngineCore = built.result()
+        self._threaded = threaded
+        if not threaded:
+            self.core: EngineCore = build_core()
+        else:
+            built: concurrent.futures.Future = concurrent.futures.Future()
+            self._thread = threading.Thread(target=self._main, args=(build_core, built), name="kvrelay-engine",
+                                            daemon=True)
+            self._thread.start()
+            self.core = built.result()
         self.model_name = self.core.loaded.name
         self.max_model_len = self.core.max_model_len
 
@@ -63,17 +73,25 @@ class AsyncEngine(EngineClient):
         self._loop()
 
     def _loop(self) -> None:
-        """Invariant: nothing a request or a command does ends this loop. An iteration that
+        while not self._stop.is_set():
+            if not self.iterate(block=not self.core.has_work):
+                self._stop.wait(self._idle_wait)  # a persistent fault logs at most 1/idle_wait per second
+
+    def iterate(self, block: bool = False) -> bool:
+        """One iteration: run the queued commands (with `block`, wait up to the idle wait
+        for the first), then one `core.step()`, also when idle (a worker core's lifecycle
+        steps every iteration). Returns False if it raised.
+        Invariant: nothing a request or a command does ends the loop. An iteration that
         raises (a forward pass failing is already handled inside `step`) fails every live
         request with internal_error, so none waits on a loop that may keep failing."""
-        while not self._stop.is_set():
-            try:
-                self._drain(block=not self.core.has_work)
-                self.core.step()  # also when idle: a worker core's lifecycle steps every iteration
-            except Exception as exc:
-                log.exception("engine iteration failed")
-                self.core.fail_all(f"internal_error: {exc}")
-                self._stop.wait(self._idle_wait)  # a persistent fault logs at most 1/idle_wait per second
+        try:
+            self._drain(block)
+            self.core.step()
+            return True
+        except Exception as exc:
+            log.exception("engine iteration failed")
+            self.core.fail_all(f"internal_error: {exc}")
+            return False
 
     def _drain(self, block: bool) -> None:
         try:
@@ -119,6 +137,14 @@ class AsyncEngine(EngineClient):
         self._inbox.put(("call", fn, fut))
         return fut.result(timeout)
 
+    async def acall(self, fn: Callable[[EngineCore], object], timeout: float = 30.0):
+        """`call` for asyncio callers: waits without a thread of its own. Raises
+        TimeoutError after `timeout` seconds (a wedged loop)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", fn, fut))
+        async with asyncio.timeout(timeout):   # not wait_for: on 3.11 it can swallow a cancel
+            return await asyncio.wrap_future(fut)
+
     # -- EngineClient ----------------------------------------------------------------------
     async def generate(self, request: GenerateRequest, **add_kwargs) -> AsyncIterator[StepOutput]:
         """`add_kwargs` go to `core.add` (a worker core's room, peer address, ...)."""
@@ -153,7 +179,8 @@ class AsyncEngine(EngineClient):
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        if self._threaded:
+            self._thread.join(timeout=10)
 
 
 def build_engine(loaded, kv_cfg, sched_cfg, kv_buffer: memoryview | None = None) -> AsyncEngine:

@@ -48,6 +48,9 @@ class LoadedModel:
     name: str                       # served model name
     dtype: str
     max_model_len: int
+    # (model, kv pool) -> what runs the forward passes (`runner.ModelRunner`'s interface);
+    # None: ModelRunner. The simulation's stand-in model brings its own (kvrelay.sim.model).
+    make_runner: Callable | None = None
 
 
 def load_model(opts: ModelOptions, progress: Progress | None = None, device: str = "cpu") -> LoadedModel:

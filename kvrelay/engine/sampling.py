@@ -26,13 +26,13 @@ loops over rows (each with its own generator).
 from __future__ import annotations
 
 import math
-import secrets
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
 
+from kvrelay.core import ids
 from kvrelay.engine.kernels import elementwise
 from kvrelay.engine.types import RequestRejected, SamplingParams, TokenLogprob
 
@@ -83,7 +83,7 @@ class SamplingState:
         validate_params(params)
         self.params = params
         self.prompt_ids = tuple(prompt_ids)
-        self.seed = params.seed & _SEED_MASK if params.seed is not None else secrets.randbits(63)
+        self.seed = params.seed & _SEED_MASK if params.seed is not None else ids.randbits(63)
         self.output_ids: list[int] = []
         self.counts: Counter[int] = Counter()
         self.suppress_tokens: set[int] = set(suppress_tokens)   # logits forced to -inf

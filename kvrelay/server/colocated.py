@@ -1,8 +1,6 @@
 """`kvrelay serve --mode colocated`: one process loads the model and serves the API."""
 from __future__ import annotations
 
-import asyncio
-
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.engine.core import EngineCore
 from kvrelay.engine.engine import AsyncEngine
@@ -22,7 +20,7 @@ def colocated_app(engine: AsyncEngine, gate: Gate | None = None):
     engine.core.metrics = metrics  # set before the first request is served
 
     async def debug_rows() -> list[dict]:
-        return await asyncio.to_thread(engine.call, lambda core: core.debug_rows())
+        return await engine.acall(lambda core: core.debug_rows())
 
     return build_openai_app(engine, extra_routes=[observability_router(metrics, debug_rows)], gate=gate)
 

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Coroutine
 
 import uvicorn
 from fastapi import APIRouter, FastAPI
 
+from kvrelay.core import ids
 from kvrelay.core.clock import Clock, MonotonicClock
 from kvrelay.core.config import KVRelayConfig, ModelOptions, RouterConfig
 from kvrelay.core.keys import ClusterKey
@@ -252,7 +252,7 @@ class RouterClient(EngineClient):
 
     def _dispatch(self, routed: Routed, request: GenerateRequest, pair: Pair) -> Attempt:
         routed.attempt += 1
-        routed.room = secrets.randbits(63) or 1   # room 0 is never valid
+        routed.room = ids.randbits(63) or 1   # room 0 is never valid
         routed.tokens = 0                         # a retry starts the completion over
         if routed.phase != "dispatched":
             self._enter(routed, "dispatched", self.clock.now())

@@ -10,7 +10,6 @@ Who may call it (`server.security`): with a cluster key, every route but /health
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import AsyncIterator
 
@@ -48,17 +47,11 @@ def worker_app(engine: AsyncEngine, metrics: ServingMetrics, faults: bool = Fals
     routes = APIRouter()
 
     async def on_engine(fn, timeout: float = 30.0):
-        return await asyncio.to_thread(engine.call, fn, timeout)
+        return await engine.acall(fn, timeout)
 
     @routes.post("/generate")
     async def generate(body: LegRequest) -> StreamingResponse:
-        greq = GenerateRequest(body.rid, tuple(body.prompt_ids), body.sampling.params())
-        core.validate_leg(greq)  # fixed state only: a leg that can never run is a 400 now
-        kwargs = {"room": body.room}
-        if core.role == "decode":
-            if not body.prefill_address:
-                raise RequestRejected("a decode leg needs prefill_address", param="prefill_address")
-            kwargs["prefill_address"] = body.prefill_address
+        greq, kwargs = prepare_leg(core, body)
         return StreamingResponse(_lines(engine, greq, kwargs), media_type="application/x-ndjson")
 
     @routes.post("/abort")
@@ -91,18 +84,40 @@ def worker_app(engine: AsyncEngine, metrics: ServingMetrics, faults: bool = Fals
     return app
 
 
-async def _lines(engine: AsyncEngine, greq: GenerateRequest, kwargs: dict) -> AsyncIterator[str]:
-    """The leg's outputs as NDJSON. Leaving early (the router closed the stream) aborts
-    the leg: `AsyncEngine.generate` sends the abort when it is closed unfinished."""
+def prepare_leg(core: WorkerCore, body: LegRequest) -> tuple[GenerateRequest, dict]:
+    """(request, `core.add` arguments) of a leg. Raises RequestRejected (a 400) for a leg
+    that can never run here; reads fixed state only (safe off the engine thread)."""
+    greq = GenerateRequest(body.rid, tuple(body.prompt_ids), body.sampling.params())
+    core.validate_leg(greq)
+    kwargs = {"room": body.room}
+    if core.role == "decode":
+        if not body.prefill_address:
+            raise RequestRejected("a decode leg needs prefill_address", param="prefill_address")
+        kwargs["prefill_address"] = body.prefill_address
+    return greq, kwargs
+
+
+async def leg_outputs(engine: AsyncEngine, greq: GenerateRequest, kwargs: dict) -> AsyncIterator[StepOutput]:
+    """A leg's outputs, the last one final. Leaving early (the router closed the stream)
+    aborts the leg: `AsyncEngine.generate` sends the abort when it is closed unfinished."""
     gen = engine.generate(greq, **kwargs)
     try:
         async for out in gen:
-            yield output_to_json(out)
+            yield out
     except RequestRejected as exc:  # lost a race (same room or rid added twice)
-        yield output_to_json(StepOutput(greq.rid, finish_reason=FinishReason.ERROR,
-                                        error=f"invalid_request: {exc}"))
+        yield StepOutput(greq.rid, finish_reason=FinishReason.ERROR, error=f"invalid_request: {exc}")
     finally:
         await gen.aclose()
+
+
+async def _lines(engine: AsyncEngine, greq: GenerateRequest, kwargs: dict) -> AsyncIterator[str]:
+    """The leg's outputs as NDJSON."""
+    outs = leg_outputs(engine, greq, kwargs)
+    try:
+        async for out in outs:
+            yield output_to_json(out)
+    finally:
+        await outs.aclose()
 
 
 def serve_worker(config: KVRelayConfig, role: str) -> None:

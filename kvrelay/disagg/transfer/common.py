@@ -51,9 +51,9 @@ rooms waiting on it fail, nothing else. What a frame carries that only state can
 from __future__ import annotations
 
 import logging
-import uuid
 from dataclasses import replace
 
+from kvrelay.core import ids
 from kvrelay.core.clock import Clock, MonotonicClock
 from kvrelay.core.config import LifecycleConfig, TransferConfig
 from kvrelay.core.kvlayout import KVLayout, paired_runs
@@ -324,7 +324,7 @@ class CommonManager(TransferManager):
         self.transfer = transfer or TransferConfig(transfer_backend=self.name)
         self.lifecycle = lifecycle or LifecycleConfig()
         self.clock = clock or MonotonicClock()
-        self.incarnation = uuid.uuid4().hex[:16]
+        self.incarnation = ids.token_hex(8)
         self.worker_id = worker_id or f"{self.name}-{self.incarnation[:8]}"
         self.faults = Faults(FaultSpec.from_config(self.transfer.fault_spec))
         if channel is None:

@@ -38,6 +38,12 @@ class FakeManager(CommonManager):
         self.write_iters = write_iters
         super().__init__(layout, transfer, channel=channel, **kwargs)
 
+    @property
+    def pool_id(self) -> str:
+        """Where peers find this pool: per incarnation, so a restarted worker's new pool is
+        never written by a peer that still holds the old one's (like a new shm segment)."""
+        return f"{self.address}#{self.incarnation}"
+
     def _pools(self) -> dict[str, memoryview]:
         if not hasattr(self.network, "pools"):
             self.network.pools = {}  # type: ignore[attr-defined]
@@ -45,11 +51,14 @@ class FakeManager(CommonManager):
 
     def allocate_pool(self, num_pages: int) -> memoryview:
         pool = super().allocate_pool(num_pages)
-        self._pools()[self.address] = pool
+        self._pools()[self.pool_id] = pool
         return pool
 
     def endpoint(self) -> dict:
-        return {"pool": self.address}
+        return {"pool": self.pool_id}
+
+    def close_backend(self) -> None:
+        self._pools().pop(self.pool_id, None)
 
     def write_start(self, job: WriteJob) -> None:
         job.handle = self.write_iters

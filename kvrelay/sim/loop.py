@@ -1,0 +1,80 @@
+"""An asyncio event loop on simulated time: no threads, no sockets, no waiting.
+
+`VirtualLoop.time()` is the simulation's `SimClock`. When no callback is ready, the loop
+does not sleep until its next timer: it advances the clock to it. So `asyncio.sleep`,
+`asyncio.timeout` and every `call_later` run in simulated seconds, as fast as the CPU
+allows, and in the same order on every run with the same inputs (ready callbacks run
+first in, first out; timers in time order).
+
+Invariant: nothing here reads wall time or does I/O. A loop with nothing scheduled at all
+raises `Stalled` instead of blocking forever.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from kvrelay.core.clock import SimClock
+
+
+class Stalled(RuntimeError):
+    """Nothing is ready and no timer is set: the simulation can never move again."""
+
+
+class _VirtualSelector:
+    """What the loop's `_run_once` asks to wait for I/O: here it only moves the clock."""
+
+    def __init__(self, clock: SimClock) -> None:
+        self.clock = clock
+
+    def select(self, timeout: float | None) -> list:
+        if timeout is None:
+            raise Stalled("no callback is ready and no timer is set")
+        if timeout > 0:
+            self.clock.advance(timeout)
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class VirtualLoop(asyncio.BaseEventLoop):
+    def __init__(self, clock: SimClock) -> None:
+        super().__init__()
+        self.clock = clock
+        self._selector = _VirtualSelector(clock)
+        self._clock_resolution = 1e-9
+
+    def time(self) -> float:
+        return self.clock.now()
+
+    def _process_events(self, event_list) -> None:
+        pass
+
+    def _write_to_self(self) -> None:
+        pass  # one thread: a callback scheduled "threadsafe" is seen on the next turn anyway
+
+
+def run(main, clock: SimClock):
+    """Run coroutine `main` to completion on a fresh VirtualLoop; returns its result."""
+    loop = VirtualLoop(clock)
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        try:
+            _cancel_all(loop)
+        finally:
+            loop.close()
+
+
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel what is left (worker loops, health checks) and let it unwind; a task whose
+    unwinding waits on something that will never come is simply dropped with the loop."""
+    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for t in tasks:
+        t.cancel()
+    try:
+        if tasks:
+            loop.run_until_complete(asyncio.wait(tasks, timeout=60.0))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    except Stalled:
+        pass

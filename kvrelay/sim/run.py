@@ -1,0 +1,384 @@
+"""One simulated run per seed: build the cluster, play the load and the fault schedule,
+check every invariant while it runs and once it is idle.
+
+Invariants (docs/lifecycle.md names them; `Violation.invariant` is the name):
+    one-answer       every client request that stays gets exactly one terminal answer
+                     (a final output, or an error raised before any output)
+    answer-bound     ... within --request-timeout of its arrival
+    same-tokens      a request that succeeded returned the tokens of a fault-free run
+    kv-intact        every running request's KV pages hold exactly its own tokens' KV
+                     (a write that lands after its epoch changed breaks this)
+    termination      after every iteration of a worker, no live room is past its phase
+                     deadline (the watchdog looks at every room, every iteration)
+    leg-lease        no router leg stays open on a worker whose lease ended (the router's
+                     reaper runs every quarter health interval)
+    pages-owned-once the allocator's integrity check: no page owned twice, none lost
+    idle-whole       once idle: every pool whole, every phase gauge 0, nothing live
+    debug-is-metrics a worker's /debug/requests phase counts equal its kvrelay_requests gauges
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from dataclasses import dataclass, field
+
+from kvrelay.core import ids
+from kvrelay.core.clock import SimClock
+from kvrelay.core.config import KVCacheConfig, LifecycleConfig, RouterConfig, SchedulerConfig, TransferConfig
+from kvrelay.engine.types import FinishReason, GenerateRequest, RequestRejected, SamplingParams
+from kvrelay.obs.metrics import ServingMetrics
+from kvrelay.server.errors import OpenAIError
+from kvrelay.sim import faults as fl
+from kvrelay.sim import loop
+from kvrelay.sim.cluster import CORES, Costs, SimRouter, SimWorker
+from kvrelay.sim.model import chain, expected_tokens, sim_loaded
+from kvrelay.sim.net import SimNetwork
+
+SETTLE_POLL = 0.1
+
+
+class Violation(AssertionError):
+    def __init__(self, invariant: str, detail: str) -> None:
+        super().__init__(f"{invariant}: {detail}")
+        self.invariant, self.detail = invariant, detail
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    num_prefill: int = 1
+    num_decode: int = 2
+    requests: int = 20
+    window: float = 3.0           # seconds over which requests arrive and faults start
+    max_faults: int = 4
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    stream: bool
+    arrival: float
+
+
+@dataclass
+class Answer:
+    start: float = 0.0
+    end: float | None = None
+    outputs: list = field(default_factory=list)
+    error: str | None = None
+    terminal: int = 0
+    left: bool = False
+
+
+@dataclass
+class Result:
+    seed: int
+    schedule: list[fl.Fault]
+    violation: Violation | None
+    sim_seconds: float
+    outcomes: dict[str, int]
+
+    @property
+    def ok(self) -> bool:
+        return self.violation is None
+
+
+class Sim:
+    def __init__(self, seed: int, cfg: SimConfig = SimConfig(), schedule: list[fl.Fault] | None = None) -> None:
+        self.seed, self.cfg = seed, cfg
+        rng = random.Random(seed)
+        self.rng = rng
+        self.clock = SimClock(1000.0)
+        self.net = SimNetwork(self.clock, random.Random(rng.getrandbits(64)))
+        self.loaded = sim_loaded(eos_ok=rng.random() < 0.5)
+        self.sched = SchedulerConfig(max_running_requests=rng.choice([4, 16]),
+                                     max_prefill_tokens=rng.choice([16, 64, 256]))
+        self.lifecycle = LifecycleConfig(heartbeat_interval=0.5, heartbeat_misses=3, bootstrap_timeout=8.0,
+                                         queue_timeout=10.0, waiting_timeout=10.0, transfer_timeout=6.0,
+                                         quarantine_grace=1.0)
+        self.transfer = TransferConfig(transfer_backend=rng.choice(["fake", "fake-twosided"]))
+        self.write_iters = rng.choice([1, 1, 3])
+        self.router_cfg = RouterConfig(request_timeout=30.0, health_interval=0.5, health_timeout=1.0,
+                                       health_misses=3)
+        self.costs = Costs()
+        small = rng.random() < 0.3     # a decode pool too small: preemption and waiting for pages
+        self.workers = [SimWorker(self, "prefill", i, KVCacheConfig(page_size=4, max_kv_tokens=2048))
+                        for i in range(cfg.num_prefill)]
+        self.workers += [SimWorker(self, "decode", i, KVCacheConfig(
+            page_size=4, max_kv_tokens=rng.choice([96, 160]) if small and i == cfg.num_decode - 1 else 2048))
+            for i in range(cfg.num_decode)]
+        self.requests = [self._draw_request(i) for i in range(cfg.requests)]
+        lease = self.lifecycle.heartbeat_interval * self.lifecycle.heartbeat_misses
+        self.schedule = schedule if schedule is not None else fl.draw(
+            rng, [w.name for w in self.workers if w.role == "prefill"],
+            [w.name for w in self.workers if w.role == "decode"], [r.rid for r in self.requests],
+            cfg.window, lease, cfg.max_faults)
+        self.answers: dict[str, Answer] = {}
+        self.router: SimRouter | None = None
+        self.metrics: dict[str, ServingMetrics] = {}
+        self._checked: dict[str, set[str]] = {}
+        self.violation: Violation | None = None
+        self.t0 = 0.0
+
+    def _draw_request(self, i: int) -> Request:
+        rng = self.rng
+        n = rng.randint(1, 40)
+        return Request(f"r{i}", tuple(rng.randrange(1, 64) for _ in range(n)), rng.randint(1, 24),
+                       rng.random() < 0.5, round(rng.uniform(0.0, self.cfg.window), 3))
+
+    # ---- running ---------------------------------------------------------------------------
+    def run(self) -> Result:
+        ids.use(random.Random(self.seed ^ 0x51D))
+        try:
+            loop.run(self._guarded(), self.clock)
+        except loop.Stalled as e:
+            self.violation = self.violation or Violation("no-stall", str(e))
+        finally:
+            ids.use(None)
+        outcomes: dict[str, int] = {}
+        for a in self.answers.values():
+            key = "left" if a.left else a.error.split(":")[0] if a.error else (
+                a.outputs[-1].finish_reason.value if a.outputs and a.outputs[-1].finish_reason else "none")
+            outcomes[key] = outcomes.get(key, 0) + 1
+        return Result(self.seed, self.schedule, self.violation, self.clock.now() - 1000.0, outcomes)
+
+    def fail(self, v: AssertionError) -> None:
+        """The first violation ends the run, whichever task found it (an assertion from a
+        production integrity check counts as `pages-owned-once`)."""
+        if not isinstance(v, Violation):
+            v = Violation("pages-owned-once", str(v))
+        if self.violation is None:
+            self.violation = v
+            self._main_task.cancel()
+
+    async def _guarded(self) -> None:
+        self._main_task = asyncio.current_task()
+        try:
+            await self._main()
+        except Violation as v:
+            self.fail(v)
+        except asyncio.CancelledError:
+            if self.violation is None:
+                raise
+
+    async def _main(self) -> None:
+        for w in self.workers:
+            w.start()
+            self._watch(w)
+        self.router = SimRouter(self.router_cfg, self.workers, self.loaded.tokenizer, self.clock)
+        await self.router.start()
+        self.t0 = self.clock.now()
+        lp = asyncio.get_running_loop()
+        watch = lp.create_task(self._watch_legs())
+        for f in self.schedule:
+            lp.call_at(self.t0 + f.at, self._apply, f, True)
+            if f.duration and f.kind not in ("abort", "disconnect", "clock_jump"):
+                lp.call_at(self.t0 + f.at + f.duration, self._apply, f, False)
+        leave = {f.target: f for f in self.schedule if f.kind == "disconnect"}
+        clients = [lp.create_task(self._client(r, leave.get(r.rid))) for r in self.requests]
+        await asyncio.gather(*clients)
+        last_fault = max((f.at + f.duration for f in self.schedule), default=0.0)
+        await asyncio.sleep(max(0.0, self.t0 + last_fault - self.clock.now()))
+        await self._settle()
+        self._check_idle()
+        watch.cancel()
+        await self.router.close()
+
+    def _watch(self, w: SimWorker) -> None:
+        self._checked[w.name] = set()
+        core = w.core
+        self.metrics[w.name] = ServingMetrics(w.role, CORES[w.role].PHASES, core.snapshot)
+
+    # ---- faults ----------------------------------------------------------------------------
+    def _worker(self, name: str) -> SimWorker:
+        return next(w for w in self.workers if w.name == name)
+
+    def _apply(self, f: fl.Fault, on: bool) -> None:
+        kind = f.kind
+        if kind in ("link", "partition"):
+            p, d = (self._worker(n).address for n in f.target.split(">"))
+            if kind == "partition":
+                self.net.partition(p, d, on)
+            else:
+                for link in (self.net.link(p, d), self.net.link(d, p)):
+                    link.drop, link.dup, link.reorder = ((f.params["drop"], f.params["dup"], f.params["reorder"])
+                                                         if on else (0.0, 0.0, 0.0))
+                    link.extra_delay = f.params["delay"] if on else 0.0
+        elif kind == "http_cut":
+            ev = self._worker(f.target).http_ok
+            ev.clear() if on else ev.set()
+        elif kind == "freeze":
+            w = self._worker(f.target)
+            w.freeze() if on else w.thaw()
+        elif kind == "crash":
+            w = self._worker(f.target)
+            if on:
+                w.crash()
+                if not f.duration:
+                    asyncio.get_running_loop().call_soon(self._restart, w)
+            else:
+                self._restart(w)
+        elif kind == "slow":
+            self._worker(f.target).slow = f.params["factor"] if on else 1.0
+        elif kind == "transfer":
+            spec = ";".join(f"{k}={v}" for k, v in f.params.items()) + f";seed={self.seed}"
+            self._worker(f.target).set_transfer_faults(spec if on else "")
+        elif kind == "clock_jump":
+            self.clock.advance(f.params["seconds"])
+        elif kind == "abort" and self.router is not None and self.router.client is not None:
+            asyncio.get_running_loop().create_task(self.router.client.abort(f.target))
+
+    def _restart(self, w: SimWorker) -> None:
+        if w.state == "down":
+            w.restart()
+            self._watch(w)
+
+    # ---- clients ---------------------------------------------------------------------------
+    async def _client(self, req: Request, leave: fl.Fault | None) -> None:
+        await asyncio.sleep(max(0.0, self.t0 + req.arrival - self.clock.now()))
+        client = self.router.client
+        greq = GenerateRequest(req.rid, req.prompt, SamplingParams(max_tokens=req.max_tokens, temperature=0.0),
+                               whole=not req.stream)
+        ans = self.answers[req.rid] = Answer(start=self.clock.now())
+        gen = client.generate(greq)
+        leave_at = self.t0 + leave.at if leave is not None else None
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(max(leave_at, self.clock.now()) if leave_at else None):
+                    await self._consume(gen, ans, leave)
+            if leave is not None and ans.end is None:
+                ans.left = True
+                await client.abort(req.rid)           # what the HTTP layer does on a disconnect
+        finally:
+            await gen.aclose()
+        if not ans.left:
+            self._check_answer(req, ans)
+
+    async def _consume(self, gen, ans: Answer, leave: fl.Fault | None) -> None:
+        try:
+            async for out in gen:
+                if ans.terminal:
+                    raise Violation("one-answer", f"{out.rid}: an output after the final one")
+                ans.outputs.append(out)
+                if out.finished:
+                    ans.terminal += 1
+                    ans.end = self.clock.now()
+                if leave is not None and len(ans.outputs) >= leave.params.get("count", 0) and not out.finished:
+                    return
+        except (OpenAIError, RequestRejected) as exc:
+            if ans.outputs:
+                raise Violation("one-answer", f"an error after {len(ans.outputs)} outputs: {exc}") from None
+            ans.error, ans.terminal, ans.end = f"{getattr(exc, 'code', None) or 'rejected'}: {exc}", 1, self.clock.now()
+
+    def _check_answer(self, req: Request, ans: Answer) -> None:
+        if ans.terminal != 1:
+            raise Violation("one-answer", f"{req.rid} got {ans.terminal} terminal answers")
+        bound = self.router_cfg.request_timeout + 0.5
+        if ans.end - ans.start > bound:
+            raise Violation("answer-bound", f"{req.rid} answered after {ans.end - ans.start:.2f}s > {bound}s")
+        last = ans.outputs[-1] if ans.outputs else None
+        if last is not None and last.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            got = [t for o in ans.outputs for t in o.token_ids]
+            want = expected_tokens(list(req.prompt), req.max_tokens, self.loaded.model.eos_ok)
+            if got != want:
+                raise Violation("same-tokens", f"{req.rid}: {got} != {want}")
+
+    # ---- invariants while running ----------------------------------------------------------
+    def after_iteration(self, w: SimWorker) -> None:
+        core = w.core
+        now = self.clock.now()
+        for r in core.side.lc.rooms.values():
+            if r.deadline is not None and r.deadline <= now:
+                raise Violation("termination", f"{w.name}: room {r.room} ({r.rid}) still in "
+                                               f"{r.phase.name.lower()} {now - r.deadline:.3f}s past its deadline")
+        seen = self._checked[w.name]
+        full = w.iterations % 16 == 0
+        for req in core.scheduler.running:
+            if full or req.rid not in seen:
+                self._check_kv(w, req)
+                seen.add(req.rid)
+        if full:
+            core.allocator.check_integrity()
+            if w.iterations % 64 == 0:
+                self._check_debug_view(w)
+
+    async def _watch_legs(self) -> None:
+        try:
+            await self._check_legs()
+        except Violation as v:
+            self.fail(v)
+
+    async def _check_legs(self) -> None:
+        cfg = self.router_cfg
+        grace = cfg.health_interval / 4 + 0.05
+        while True:
+            await asyncio.sleep(0.05)
+            now = self.clock.now()
+            for routed in list(self.router.client._live.values()):
+                att = routed.current
+                if att is None or att._stopped:
+                    continue
+                for side, (url, task) in att.legs.items():
+                    w = self.router.table.get(url)
+                    if task.done() or side in att._final or side in att._dead or not w.dead or w.last_ok is None:
+                        continue
+                    if now > w.last_ok + cfg.health_lease + grace:
+                        raise Violation("leg-lease", f"{routed.rid}: its {side} leg on {url} is still open "
+                                                     f"{now - w.last_ok - cfg.health_lease:.2f}s after the worker's "
+                                                     "lease ended")
+
+    def _check_kv(self, w: SimWorker, req) -> None:
+        tokens = req.prompt_ids + req.output_ids
+        n = len(tokens) - 1 if req.output_ids else req.num_computed
+        runner, h = w.core.runner, bytes(8)
+        for pos in range(n):
+            h = chain(h, tokens[pos])
+            if runner.read(req.pages, pos) != h:
+                raise Violation("kv-intact", f"{w.name}: {req.rid} position {pos} of {n} does not hold its "
+                                             f"own KV (pages {req.pages})")
+
+    def _check_debug_view(self, w: SimWorker) -> None:
+        view = w.core.debug_view()["phases"]
+        gauges = {s.labels["phase"]: s.value for m in self.metrics[w.name].registry.collect()
+                  for s in m.samples if s.name == "kvrelay_requests"}
+        if any(gauges.get(p, 0) != n for p, n in view.items()):
+            raise Violation("debug-is-metrics", f"{w.name}: debug {view} != gauges {gauges}")
+
+    # ---- the end -------------------------------------------------------------------------
+    def _idle(self) -> bool:
+        return (not self.router.client._live
+                and all(w.state == "up" and not w.core.busy for w in self.workers))
+
+    async def _settle(self) -> None:
+        lc = self.lifecycle
+        limit = self.clock.now() + lc.bootstrap_timeout + lc.transfer_timeout + lc.quarantine_grace \
+            + 3 * lc.heartbeat_interval * lc.heartbeat_misses + 10.0
+        while not self._idle():
+            if self.clock.now() > limit:
+                busy = {w.name: w.core.side.live() if w.core else w.state for w in self.workers}
+                raise Violation("idle-whole", f"not idle long after the load: router {list(self.router.client._live)} "
+                                              f"workers {busy}")
+            await asyncio.sleep(SETTLE_POLL)
+        await asyncio.sleep(1.0)   # late messages drain
+
+    def _check_idle(self) -> None:
+        for w in self.workers:
+            try:
+                w.core.check_idle()
+            except AssertionError as e:
+                raise Violation("idle-whole", f"{w.name}: {e}") from None
+            self._check_debug_view(w)
+        snap = self.router.client.snapshot()
+        if any(snap.phases.values()):
+            raise Violation("idle-whole", f"router phases {snap.phases}")
+
+
+def run_seed(seed: int, cfg: SimConfig = SimConfig(), schedule: list[fl.Fault] | None = None) -> Result:
+    logging.disable(logging.CRITICAL)
+    try:
+        return Sim(seed, cfg, schedule).run()
+    finally:
+        logging.disable(logging.NOTSET)
