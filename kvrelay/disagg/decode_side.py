@@ -8,8 +8,10 @@ Invariants:
 - `reserve(room, n)` -> (pages, epoch) | None is retried every iteration while the pool is
   full (bounded by the bootstrap deadline and P's lease); the epoch must be new per reuse.
 - `release(room, pages)` is called exactly once per reserved room: on finish, or on failure
-  (two-sided: at once; one-sided: when the quarantine ends: P confirmed Stopped, P is dead or
-  restarted, or transfer_timeout + quarantine_grace passed since the failure). A quarantined
+  (two-sided: at once; one-sided: when the quarantine ends: P confirmed Stopped, a new
+  incarnation of P was seen (the writer is gone), or transfer_timeout + quarantine_grace
+  passed since the failure). P merely going silent does not end it: a P that D declared
+  dead may be alive behind a partition or a pause with a write in flight. A quarantined
   room asks P again every heartbeat interval, so one lost message does not hold it.
 - The receiver is closed (its pages stop accepting bytes) before its pages are released.
 - Every heartbeat to P reports how many of P's KV pages have landed here, in all and per
@@ -21,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from kvrelay.core import mutation
 from kvrelay.core.clock import Clock
 from kvrelay.core.config import LifecycleConfig
 from kvrelay.disagg import wire
@@ -41,6 +44,7 @@ class Quarantined:
     until: float
     receiver: KVReceiver
     asked: float = float("-inf")   # last ask_stopped()
+    incarnation: str | None = None  # P's incarnation that may still write
 
 
 class DecodeSide(Coordinator):
@@ -113,6 +117,8 @@ class DecodeSide(Coordinator):
                 self._try_reserve(r, rcv)
             elif r.phase is DPhase.WAITING and st is S.SUCCESS and r.room not in self._ready:
                 self._ready.append(r.room)
+            if mutation.on("d_timeout_before_first_byte") and r.phase is DPhase.WAITING and rcv.progress():
+                r.deadline = None  # SGLang #31800: the timeout only runs until the first byte lands
         self._end_quarantines()
 
     def _try_reserve(self, r: Room, rcv: KVReceiver) -> None:
@@ -133,7 +139,10 @@ class DecodeSide(Coordinator):
         self._tombstone(r, phase_name(terminal))
         if rcv is not None and rcv.may_still_write():
             until = self.clock.now() + self.cfg.transfer_timeout + self.cfg.quarantine_grace
-            self.quarantine[r.room] = Quarantined(r.room, r.peer, r.data["pages"], until, rcv, self.clock.now())
+            if mutation.on("quarantine_on_timer"):  # SGLang #38961: released on a timer while P may write
+                until = self.clock.now() + self.cfg.heartbeat_interval
+            self.quarantine[r.room] = Quarantined(r.room, r.peer, r.data["pages"], until, rcv, self.clock.now(),
+                                                  self._writer_incarnation(r))
             return
         if rcv is not None:
             rcv.close()
@@ -144,10 +153,23 @@ class DecodeSide(Coordinator):
         if pages is not None:
             self.release(r.room, pages)
 
-    def _end_quarantines(self, gone_peer: str | None = None) -> None:
+    def _writer_incarnation(self, r: Room) -> str | None:
+        if r.peer_incarnation is not None:
+            return r.peer_incarnation
+        peer = self.manager.peers().get(r.peer or "")
+        return peer.incarnation if peer is not None else None
+
+    def _restarted(self, q: Quarantined) -> bool:
+        """A newer incarnation of q's writer has been seen (heartbeat or bootstrap)."""
+        if q.incarnation is None or q.peer is None:
+            return False
+        lease, peer = self.leases.peers.get(q.peer), self.manager.peers().get(q.peer)
+        return any(x is not None and x.incarnation not in (None, q.incarnation) for x in (lease, peer))
+
+    def _end_quarantines(self) -> None:
         now = self.clock.now()
         for q in list(self.quarantine.values()):
-            if not q.receiver.may_still_write() or now >= q.until or q.peer == gone_peer:
+            if not q.receiver.may_still_write() or now >= q.until or self._restarted(q):
                 del self.quarantine[q.room]
                 q.receiver.close()
                 self.release(q.room, q.pages)
@@ -155,8 +177,8 @@ class DecodeSide(Coordinator):
                 q.asked = now
                 q.receiver.ask_stopped()
 
-    def _peer_gone(self, address: str) -> None:
-        self._end_quarantines(gone_peer=address)
+    def _peer_restarted(self, address: str) -> None:
+        self._end_quarantines()
 
     def _extra_heartbeat_rooms(self) -> dict[int, str]:
         return {room: wire.QUARANTINE_PHASE for room in self.quarantine}

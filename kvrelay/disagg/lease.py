@@ -20,9 +20,11 @@ Rules (lifecycle.md, "Deadlines that never kill a healthy slow request"):
 """
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from kvrelay.core import mutation
 from kvrelay.core.clock import Clock
 from kvrelay.core.config import LifecycleConfig
 from kvrelay.disagg import wire
@@ -81,6 +83,8 @@ class Leases:
 
     def dead(self) -> list[str]:
         now = self.clock.now()
+        if mutation.on("reaper_stops_at_first_unexpired"):  # vLLM #41383: peers are not in expiry order
+            return list(itertools.takewhile(lambda a: now - self.peers[a].last_heard >= self.timeout, self.peers))
         return [a for a, lease in self.peers.items() if now - lease.last_heard >= self.timeout]
 
     def forget(self, address: str) -> None:
@@ -140,7 +144,8 @@ class Coordinator(ABC):
         self.manager.progress()
         self._read_heartbeats()
         self._poll_rooms()
-        self._watchdog()
+        if not mutation.on("timeouts_only_after_batch"):  # TensorRT-LLM #17124: see WorkerCore._engine_step
+            self._watchdog()
         self._beat()
         self._expire_tombstones()
 
@@ -154,7 +159,7 @@ class Coordinator(ABC):
                 for r in self._rooms_of(src):
                     if r.peer_incarnation not in (None, hb.incarnation):
                         self._fail(r, Reason.PEER_FAILED.value, "peer restarted")
-                self._peer_gone(src)
+                self._peer_restarted(src)
             for r in self._rooms_of(src):
                 self._check_lease(r, self.leases.peers[src])
 
@@ -185,12 +190,13 @@ class Coordinator(ABC):
             self._peer_dead(address)
 
     def _peer_dead(self, address: str) -> None:
+        """Silent for a whole lease: its rooms here have failed and it is forgotten. It
+        may still be alive (a partition, a pause): nothing here assumes it stopped."""
         self.leases.forget(address)
         self.manager.forget_peer(address)
-        self._peer_gone(address)
 
-    def _peer_gone(self, address: str) -> None:
-        """The peer's old incarnation can no longer act (dead or restarted)."""
+    def _peer_restarted(self, address: str) -> None:
+        """A new incarnation speaks at `address`: the old one can no longer act."""
 
     def _rooms_of(self, address: str) -> list[Room]:
         return [r for r in list(self.lc.rooms.values()) if r.peer == address]

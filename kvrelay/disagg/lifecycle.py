@@ -15,6 +15,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvrelay.core import mutation
 from kvrelay.core.clock import Clock
 from kvrelay.core.config import LifecycleConfig
 
@@ -55,8 +56,11 @@ D_TRANSITIONS = _table([DPhase.BOOTSTRAP, DPhase.WAITING, DPhase.DECODE],
 
 
 def p_deadlines(cfg: LifecycleConfig) -> dict:
+    transfer: float | None = cfg.transfer_timeout
+    if mutation.on("poll_ignores_abort"):  # the seeds' bug: the transfer phase has no deadline
+        transfer = None
     return {PPhase.BOOTSTRAP: cfg.bootstrap_timeout, PPhase.QUEUED: cfg.queue_timeout,
-            PPhase.PREFILL: None, PPhase.TRANSFER: cfg.transfer_timeout}
+            PPhase.PREFILL: None, PPhase.TRANSFER: transfer}
 
 
 def d_deadlines(cfg: LifecycleConfig) -> dict:

@@ -17,6 +17,7 @@ from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Callable
 
+from kvrelay.core import mutation
 from kvrelay.core.clock import Clock
 from kvrelay.core.config import KVCacheConfig, LifecycleConfig, SchedulerConfig, TransferConfig
 from kvrelay.core.keys import ClusterKey
@@ -136,6 +137,8 @@ class WorkerCore(EngineCore):
 
     # ---- the loop ------------------------------------------------------------------------
     def _engine_step(self) -> None:
+        if mutation.on("timeouts_only_after_batch") and self.has_work:  # TensorRT-LLM #17124: only with a batch
+            self.side._watchdog()
         EngineCore.step(self)
         self._fit_prefill_budget()
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvrelay.core import mutation
 from kvrelay.core.config import SchedulerConfig
 from kvrelay.engine.allocator import PageAllocator
 from kvrelay.engine.request import Req, ReqStatus
@@ -114,6 +115,8 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(items) >= slots:
                 break
+            if req.num_preemptions and mutation.on("oom_after_kv_stranded"):
+                continue  # SGLang #6857: a request that lost its pages after its KV arrived is stranded
             length = min(req.seq_len - req.num_computed, budget)
             if not self._grow(req, req.num_computed + length):
                 break  # FIFO: a head that does not fit blocks later ones (no starvation)

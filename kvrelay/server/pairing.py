@@ -19,6 +19,7 @@ import enum
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from kvrelay.core import mutation
 from kvrelay.core.clock import Clock
 from kvrelay.server.worker_protocol import WorkerHealth
 
@@ -151,6 +152,8 @@ class WorkerTable:
         last one. Each is marked down and dead and returned once, until a good check."""
         now, died = self.clock.now(), []
         for w in self._workers.values():
+            if mutation.on("reaper_stops_at_first_unexpired") and w.last_ok is not None and now - w.last_ok < lease:
+                break  # vLLM #41383: stops at the first live lease, though workers are not in expiry order
             if w.dead or w.last_ok is None or now - w.last_ok < lease:
                 continue
             w.dead = True

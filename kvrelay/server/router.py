@@ -29,7 +29,7 @@ from typing import AsyncIterator, Callable, Coroutine
 import uvicorn
 from fastapi import APIRouter, FastAPI
 
-from kvrelay.core import ids
+from kvrelay.core import ids, mutation
 from kvrelay.core.clock import Clock, MonotonicClock
 from kvrelay.core.config import KVRelayConfig, ModelOptions, RouterConfig
 from kvrelay.core.keys import ClusterKey
@@ -224,6 +224,8 @@ class RouterClient(EngineClient):
 
     def worker_dead(self, url: str, why: str) -> None:
         """`WorkerMonitor` ended `url`'s lease: every leg open there fails now."""
+        if mutation.on("router_ignores_dead_worker"):  # a dead worker's open legs wait for their deadline
+            return
         failed = [r.rid for r in list(self._live.values())
                   if r.current is not None and r.current.fail_legs_on(url, why)]
         if failed:

@@ -8,7 +8,9 @@ The seam (everything else is production code):
   (woken early by a command, as the engine thread is);
 - worker transport: `SimWorkerAPI` has `WorkerAPI`'s methods and runs the worker HTTP
   app's own leg code (`worker_app.prepare_leg` / `leg_outputs`, NDJSON round trip
-  included) instead of HTTP; a crash resets its open streams like a dropped connection;
+  included) instead of HTTP, the worker's end of a stream in a task of its own; each
+  request (and a stream the router closes) reaches the worker after the seeded HTTP
+  latency; a crash resets its open streams like a dropped connection;
 - P<->D transport: `net.SimChannel` under the `fake` backend's real control logic.
 
 A worker is `up`, `frozen` (it stops iterating: SIGSTOP) or `down` (crashed: its engine,
@@ -59,7 +61,8 @@ class _Stream:
     """One open leg stream; `reset` marks it cut by a crash (not a cancel by the router)."""
 
     def __init__(self, task: asyncio.Task | None) -> None:
-        self.task, self.reset = task, False
+        self.task, self.reset, self.ended = task, False, False
+        self.server: asyncio.Task | None = None   # the worker's end of the stream
 
 
 class SimWorker:
@@ -93,7 +96,9 @@ class SimWorker:
 
         self.engine = AsyncEngine(build, threaded=False)
         self.engine._inbox = _KickQueue(self._kick)
-        self.core.manager.write_iters = sim.write_iters
+        m = self.core.manager
+        m.write_iters, m.chunk_pages, m.chunk_interval = sim.write_iters, sim.chunk_pages, sim.chunk_interval
+        m.land_delay = sim.land_delay
         self.state = "up"
         self.incarnations += 1
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"sim-{self.name}")
@@ -120,12 +125,12 @@ class SimWorker:
                 if core.last_prefill is not None:
                     core.last_prefill = (core.last_prefill[0], cost)   # what the step would have measured
                 await asyncio.sleep(cost)
-            elif not self._kick.is_set():
+            elif not self._kick.is_set():   # wait for a command, at most idle_wait (a timer kicks too)
+                wake = asyncio.get_running_loop().call_later(core.idle_wait, self._kick.set)
                 try:
-                    async with asyncio.timeout(core.idle_wait):
-                        await self._kick.wait()
-                except TimeoutError:
-                    pass
+                    await self._kick.wait()
+                finally:
+                    wake.cancel()
 
     # ---- faults --------------------------------------------------------------------------
     def freeze(self) -> None:
@@ -162,10 +167,17 @@ class SimWorker:
 
 
 class SimWorkerAPI:
-    """`worker_client.WorkerAPI` over simulated workers (see the module docstring)."""
+    """`worker_client.WorkerAPI` over simulated workers (see the module docstring). Every
+    call the router makes (a leg, an abort, a health check) takes `latency` seconds to
+    reach its worker, as an HTTP request does, and so does the end of a stream the router
+    closes; the lines of an open stream take none."""
 
-    def __init__(self, workers: dict[str, SimWorker], cfg: RouterConfig) -> None:
-        self.workers, self.cfg = workers, cfg
+    def __init__(self, workers: dict[str, SimWorker], cfg: RouterConfig, latency: float = 0.0) -> None:
+        self.workers, self.cfg, self.latency = workers, cfg, latency
+
+    async def _hop(self) -> None:
+        if self.latency:
+            await asyncio.sleep(self.latency)
 
     async def close(self) -> None:
         pass
@@ -186,22 +198,32 @@ class SimWorkerAPI:
                 raise LegFailure(PEER_FAILED, f"{url}: ConnectTimeout", url, broken=True) from None
 
     async def generate(self, url: str, leg: LegRequest) -> AsyncIterator[StepOutput]:
+        """The router's end of a leg's stream; the worker's end (`_serve`) is a task of its
+        own, as it is a request handler in the worker: a stream the router closes ends on
+        the worker one hop later."""
+        await self._hop()
         w = self._reach(url)
         await self._connected(w, url, 5.0)
         engine = self._reach(url).engine
         greq, kwargs = prepare_leg(engine.core, leg)   # RequestRejected: the worker's 400
+        lines: asyncio.Queue = asyncio.Queue()
         stream = _Stream(asyncio.current_task())
+        stream.server = asyncio.get_running_loop().create_task(self._serve(engine, greq, kwargs, lines))
         w.streams.add(stream)
-        outs = leg_outputs(engine, greq, kwargs)
         try:
-            async for out in outs:
+            while True:
+                line = await lines.get()
+                if isinstance(line, Exception):
+                    raise line
+                if line is None:
+                    raise LegFailure(PEER_FAILED, f"{url} ended the stream before the final output", url, broken=True)
                 if not w.http_ok.is_set():
                     await w.http_ok.wait()        # bytes wait in the socket until the link heals
-                out = output_from_json(output_to_json(out))
+                out = output_from_json(line)
                 yield out
                 if out.finished:
+                    stream.ended = True
                     return
-            raise LegFailure(PEER_FAILED, f"{url} ended the stream before the final output", url, broken=True)
         except asyncio.CancelledError:
             if not stream.reset:
                 raise
@@ -209,9 +231,30 @@ class SimWorkerAPI:
             raise LegFailure(PEER_FAILED, f"{url}: connection reset", url, broken=True) from None
         finally:
             w.streams.discard(stream)
+            if not stream.ended and not stream.server.done():
+                if self.latency and not stream.reset:
+                    asyncio.get_running_loop().call_later(self.latency, stream.server.cancel)
+                else:
+                    stream.server.cancel()
+
+    @staticmethod
+    async def _serve(engine, greq, kwargs, lines: asyncio.Queue) -> None:
+        """The worker's request handler: the leg's outputs as NDJSON lines; None if it
+        ended without a final one, the exception if it raised (a late 400)."""
+        outs = leg_outputs(engine, greq, kwargs)
+        try:
+            async for out in outs:
+                lines.put_nowait(output_to_json(out))
+                if out.finished:
+                    return
+            lines.put_nowait(None)
+        except Exception as exc:  # noqa: BLE001 - handed to the router's end
+            lines.put_nowait(exc)
+        finally:
             await outs.aclose()
 
     async def abort(self, url: str, rid: str) -> None:
+        await self._hop()
         try:
             w = self._reach(url)
             await self._connected(w, url, ABORT_TIMEOUT)
@@ -220,6 +263,7 @@ class SimWorkerAPI:
             pass   # fire and forget, as over HTTP
 
     async def health(self, url: str) -> WorkerHealth:
+        await self._hop()
         w = self._reach(url)
         await self._connected(w, url, self.cfg.health_timeout)
         try:
@@ -239,11 +283,11 @@ class SimWorkerAPI:
 class SimRouter:
     """The production router (RouterClient + WorkerMonitor) over SimWorkerAPI."""
 
-    def __init__(self, cfg: RouterConfig, workers: list[SimWorker], tokenizer, clock) -> None:
+    def __init__(self, cfg: RouterConfig, workers: list[SimWorker], tokenizer, clock, latency: float = 0.0) -> None:
         self.cfg, self.clock, self.tokenizer = cfg, clock, tokenizer
         self.table = WorkerTable([w.url for w in workers if w.role == "prefill"],
                                  [w.url for w in workers if w.role == "decode"], clock)
-        self.api = SimWorkerAPI({w.url: w for w in workers}, cfg)
+        self.api = SimWorkerAPI({w.url: w for w in workers}, cfg, latency)
         self.monitor = WorkerMonitor(self.table, self.api, cfg)
         self.client: RouterClient | None = None
         self._health: asyncio.Task | None = None

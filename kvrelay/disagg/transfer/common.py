@@ -53,7 +53,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from kvrelay.core import ids
+from kvrelay.core import ids, mutation
 from kvrelay.core.clock import Clock, MonotonicClock
 from kvrelay.core.config import LifecycleConfig, TransferConfig
 from kvrelay.core.kvlayout import KVLayout, paired_runs
@@ -126,7 +126,8 @@ class CommonSender(_Endpoint, KVSender):
             return  # duplicate or late: the first destination stands
         if self.status is S.FAILED:  # failed before D spoke: tell it now; nothing was written
             reason = self.failure_reason or ""
-            self.m.channel.send(src, wire.Notice(self.room, destination.epoch, _notice_kind(reason), reason))
+            if not mutation.on("no_p_to_d_abort"):  # P's aborts and failures are never propagated to D
+                self.m.channel.send(src, wire.Notice(self.room, destination.epoch, _notice_kind(reason), reason))
             self.m.channel.send(src, wire.Stopped(self.room, destination.epoch))
             return
         self.dest, self.peer_address, self.epoch = destination, src, destination.epoch
@@ -194,6 +195,8 @@ class CommonSender(_Endpoint, KVSender):
             self._fail(_peer_reason(notice), f"decode: {notice.reason}", notify=False)
 
     def abort(self, reason: str, detail: str = "") -> None:
+        if mutation.on("poll_ignores_abort"):  # the seeds' bug: poll() ignores the abort flag
+            return
         if self.status is S.SUCCESS:  # D has everything: nothing to tell it
             self.status, self.failure_reason, self.failure_detail = S.FAILED, reason, detail
             self.stopped_sent = True
@@ -203,6 +206,8 @@ class CommonSender(_Endpoint, KVSender):
     def _fail(self, reason: str, detail: str, notify: bool = True) -> None:
         if not self._set_failed(reason, detail):
             return
+        if mutation.on("no_p_to_d_abort"):  # P's aborts and failures are never propagated to D
+            notify = False
         if notify and self.dest is not None and self.peer_address is not None:
             self.m.channel.send(self.peer_address, wire.Notice(self.room, self.dest.epoch,
                                                                _notice_kind(reason), reason))
@@ -288,6 +293,8 @@ class CommonReceiver(_Endpoint, KVReceiver):
         return len(self.landed)
 
     def abort(self, reason: str, detail: str = "") -> None:
+        if mutation.on("poll_ignores_abort"):  # the seeds' bug: poll() ignores the abort flag
+            return
         self._fail(reason, detail)
 
     def _fail(self, reason: str, detail: str, notify: bool = True) -> None:
@@ -434,7 +441,13 @@ class CommonManager(TransferManager):
             self.write_start(job)
 
     def progress_job(self, job: WriteJob) -> None:
-        if job.fault is None:
+        """Advance a pending write, unless its peer has been silent for the whole lease:
+        the peer may already have declared this worker dead and released the pages (a
+        one-sided quarantine ends then), and this iteration's watchdog fails the room
+        right after the pump. Matters after a pause of both (a clock jump past the lease)."""
+        heard = self._heard.get(job.peer.address)
+        lease = self.lifecycle.heartbeat_interval * self.lifecycle.heartbeat_misses
+        if job.fault is None and (heard is None or self.clock.now() - heard < lease):
             self.write_progress(job)
 
     def cancel_job(self, job: WriteJob) -> bool:

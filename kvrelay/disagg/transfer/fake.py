@@ -5,14 +5,26 @@
 bytes as a data frame and D copies them in only after the (room, epoch) owner check, like
 tcp. A write completes on the `write_iters`-th progress() after it starts, so the transfer
 phase is observable; its bytes move (and count in `bytes_sent`) only then.
+
+Knobs the simulation sets (the defaults keep the behaviour above):
+    chunk_pages     >0: the bytes move in pieces of this many pages, one piece per
+                    progress() and at most one per `chunk_interval` seconds (a slow data
+                    path): D sees a room's pages land a few at a time, as over tcp
+    land_delay      one-sided: a piece, once posted, is in flight this many seconds before
+                    it lands (an RDMA write on a busy fabric); a failed write confirms it
+                    stopped (`write_cancel`) only once nothing of it is in flight
+    on_land         on_land(pool_id, room, epoch, dst_pages) is called just before bytes of
+                    (room, epoch) land in pool `pool_id`: the simulation's eye on the
+                    no-late-write invariant
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from kvrelay.disagg import wire
 from kvrelay.disagg.channel import InProcChannel, InProcNetwork, Received
-from kvrelay.disagg.transfer.base import WriteJob
+from kvrelay.disagg.transfer.base import WriteJob, WriteState
 from kvrelay.disagg.transfer.common import CommonManager
 
 
@@ -36,6 +48,10 @@ class FakeManager(CommonManager):
             channel = (network or InProcNetwork()).channel()
         self.network = channel.network
         self.write_iters = write_iters
+        self.chunk_pages = 0          # 0: every page of a job moves at once
+        self.chunk_interval = 0.0     # seconds between two pieces of one job
+        self.land_delay = 0.0         # one-sided: seconds a posted piece is in flight
+        self.on_land: Callable[[str, int, int, tuple[int, ...]], None] | None = None
         super().__init__(layout, transfer, channel=channel, **kwargs)
 
     @property
@@ -57,46 +73,93 @@ class FakeManager(CommonManager):
     def endpoint(self) -> dict:
         return {"pool": self.pool_id}
 
+    def _flights(self) -> list[tuple[float, "FakeManager", WriteJob, int, int]]:
+        """Pieces posted and not landed yet, of every worker on the network: (lands at,
+        writer, job, first page, end). Whichever worker steps first after a piece is due
+        lands it, as a NIC would without either CPU."""
+        if not hasattr(self.network, "kv_in_flight"):
+            self.network.kv_in_flight = []  # type: ignore[attr-defined]
+        return self.network.kv_in_flight  # type: ignore[attr-defined]
+
     def close_backend(self) -> None:
         self._pools().pop(self.pool_id, None)
+        flights = self._flights()
+        flights[:] = [f for f in flights if f[1] is not self]   # a crashed writer's pieces are lost
+
+    def progress(self) -> None:
+        flights = self._flights()
+        if flights and flights[0][0] <= self.clock.now():
+            self._land_due(flights)
+        super().progress()
 
     def write_start(self, job: WriteJob) -> None:
-        job.handle = self.write_iters
-        if job.handle <= 0:
-            self._land(job)
+        job.handle = [self.write_iters, 0, float("-inf"), 0]  # calls to wait, next page, next piece at, in flight
+        self.write_progress(job, first=True)
 
-    def write_progress(self, job: WriteJob) -> None:
-        job.handle -= 1
-        if job.handle <= 0:
-            self._land(job)
+    def write_progress(self, job: WriteJob, first: bool = False) -> None:
+        h, n = job.handle, len(job.dst_pages)
+        if not first:
+            h[0] -= 1
+        now = self.clock.now()
+        if h[0] > 0 or h[1] == n or now < h[2]:
+            return
+        end = min(h[1] + self.chunk_pages, n) if self.chunk_pages else n
+        if self.land_delay and self.one_sided:
+            h[3] += 1
+            self._flights().append((now + self.land_delay, self, job, h[1], end))
+            job.bytes_sent += (end - h[1]) * self.layout.page_bytes
+        elif not self._land_pages(job, h[1], end):
+            return
+        h[1], h[2] = end, now + self.chunk_interval
+        self._maybe_done(job)
+
+    def _maybe_done(self, job: WriteJob) -> None:
+        h = job.handle
+        if h[1] == len(job.dst_pages) and h[3] == 0:
+            job.finish()
+
+    def _land_due(self, flights: list) -> None:
+        now = self.clock.now()
+        while flights and flights[0][0] <= now:   # in posting order: one land_delay for all
+            _, writer, job, start, end = flights.pop(0)
+            job.handle[3] -= 1
+            if job.state is not WriteState.FAILED:
+                writer._land_pages(job, start, end, counted=True)
+            writer._maybe_done(job)
 
     def write_cancel(self, job: WriteJob) -> bool:
-        return True  # nothing is in flight between progress() calls
+        return job.handle is None or job.handle[3] == 0  # stopped once nothing of it is in flight
 
-    def _land(self, job: WriteJob) -> None:
+    def _land_pages(self, job: WriteJob, start: int, end: int, counted: bool = False) -> bool:
+        """Write pages [start, end) of the job into the peer's pool; False if it failed."""
+        dst_pages = job.dst_pages[start:end]
         dst = self._pools().get(job.peer.endpoint.get("pool", ""))
         if dst is None or self.pool is None:
             job.fail("peer pool is gone")
-            return
-        for s, d, n in job.runs:
-            dst[d:d + n] = self.pool[s:s + n]
-            job.bytes_sent += n
-        job.finish()
+            return False
+        if self.on_land is not None:
+            self.on_land(job.peer.endpoint["pool"], job.room, job.epoch, dst_pages)
+        pb = self.layout.page_bytes
+        for s, d in zip(job.src_pages[start:end], dst_pages):
+            dst[d * pb:(d + 1) * pb] = self.pool[s * pb:(s + 1) * pb]
+        if not counted:
+            job.bytes_sent += len(dst_pages) * pb
+        return True
 
 
 class FakeTwoSidedManager(FakeManager):
     name = "fake-twosided"
     one_sided = False
 
-    def _land(self, job: WriteJob) -> None:
+    def _land_pages(self, job: WriteJob, start: int, end: int, counted: bool = False) -> bool:
         assert self.pool is not None
         pb = self.layout.page_bytes
-        data = b"".join(bytes(self.pool[p * pb:(p + 1) * pb]) for p in job.src_pages)
-        if self.channel.send(job.peer.address, FakeKV(job.room, job.epoch, job.dst_pages), [data]):
+        data = b"".join(bytes(self.pool[p * pb:(p + 1) * pb]) for p in job.src_pages[start:end])
+        if self.channel.send(job.peer.address, FakeKV(job.room, job.epoch, job.dst_pages[start:end]), [data]):
             job.bytes_sent += len(data)
-            job.finish()
-        else:
-            job.fail("peer unreachable")
+            return True
+        job.fail("peer unreachable")
+        return False
 
     def on_data(self, received: Received) -> None:
         msg = received.msg
@@ -107,6 +170,8 @@ class FakeTwoSidedManager(FakeManager):
             return  # malformed
         if not self.owner_ok(msg.room, msg.epoch, msg.dst_pages):
             return  # late or foreign bytes never land
+        if self.on_land is not None:
+            self.on_land(self.pool_id, msg.room, msg.epoch, msg.dst_pages)
         for i, p in enumerate(msg.dst_pages):
             self.pool[p * pb:(p + 1) * pb] = data[i * pb:(i + 1) * pb]
         self.mark_landed(msg.room, msg.epoch, msg.dst_pages)

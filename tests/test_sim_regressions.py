@@ -1,0 +1,78 @@
+"""Real bugs the simulation found, as the seed and shrunk fault schedule that showed each.
+
+1. A pause of the whole cluster (a clock jump past the P<->D lease) let P land a
+   one-sided write after D had declared P dead and released the room's quarantined pages:
+   P's first iteration after the pause pumped its pending write before its own watchdog
+   declared D dead. P now advances no write to a peer silent for the whole lease
+   (`CommonManager.progress_job`).
+2. D ended a one-sided quarantine as soon as it declared P dead, but a P that D declared
+   dead may be alive (silent only towards D: a partition of the control path, a slow P,
+   a pause) with a write in flight. D now ends a quarantine only on P's Stopped, on seeing
+   a new incarnation of P, or at the backstop (transfer deadline + grace)
+   (`DecodeSide._end_quarantines`).
+"""
+from __future__ import annotations
+
+import pytest
+
+from kvrelay.disagg.transfer.common import CommonManager
+from kvrelay.sim import faults as fl
+from kvrelay.disagg.decode_side import DecodeSide
+from kvrelay.disagg.lease import Coordinator
+from kvrelay.sim.run import run_seed
+
+# (seed, shrunk schedule) of a cluster-wide pause past the lease while writes were pending
+PAUSES = [
+    (17, '[{"at":1.212,"kind":"clock_jump","target":"","duration":0.0,"params":{"seconds":1.834}}]'),
+    (32, '[{"at":1.78,"kind":"clock_jump","target":"","duration":0.0,"params":{"seconds":2.595}}]'),
+    (360, '[{"at":0.61,"kind":"clock_jump","target":"","duration":0.0,"params":{"seconds":2.598}}]'),
+]
+# (seed, shrunk schedule) where D released on "P declared dead" while P still wrote
+GAPS = [
+    (7, '[{"at":2.691,"kind":"partition","target":"prefill-0>decode-0","duration":4.234,"params":{}}]'),
+    (19, '[{"at":0.282,"kind":"slow","target":"prefill-0","duration":3.83,"params":{"factor":50}},'
+         '{"at":2.729,"kind":"clock_jump","target":"","duration":0.0,"params":{"seconds":1.17}}]'),
+]
+
+
+def release_on_death(self, address):
+    """The old rule: D ends the quarantines of a P it declares dead."""
+    for q in list(self.quarantine.values()):
+        if q.peer == address:
+            q.until = self.clock.now()
+    self._end_quarantines()
+    Coordinator._peer_dead(self, address)
+
+
+@pytest.mark.parametrize("seed,schedule", PAUSES)
+def test_no_write_lands_after_a_pause_past_the_lease(seed, schedule):
+    r = run_seed(seed, schedule=fl.from_json(schedule))
+    assert r.ok, r.violation
+
+
+def test_the_pause_schedules_still_reach_the_bug(monkeypatch):
+    """Without either fix each schedule breaks no-late-write: they still test what they
+    should. (Either fix alone keeps the write out of pages another request owns.)"""
+    def unfenced(self, job):
+        if job.fault is None:
+            self.write_progress(job)
+    monkeypatch.setattr(CommonManager, "progress_job", unfenced)
+    monkeypatch.setattr(DecodeSide, "_peer_dead", release_on_death)
+    for seed, schedule in PAUSES:
+        r = run_seed(seed, schedule=fl.from_json(schedule))
+        assert not r.ok and r.violation.invariant == "no-late-write", (seed, r.violation)
+
+
+@pytest.mark.parametrize("seed,schedule", GAPS)
+def test_no_write_lands_after_d_declared_a_live_p_dead(seed, schedule):
+    r = run_seed(seed, schedule=fl.from_json(schedule))
+    assert r.ok, r.violation
+
+
+def test_the_gap_schedules_still_reach_the_bug(monkeypatch):
+    """With the old rule (a quarantine ends when D declares P dead) each schedule breaks
+    no-late-write: they still test what they should."""
+    monkeypatch.setattr(DecodeSide, "_peer_dead", release_on_death)
+    for seed, schedule in GAPS:
+        r = run_seed(seed, schedule=fl.from_json(schedule))
+        assert not r.ok and r.violation.invariant == "no-late-write", (seed, r.violation)
