@@ -55,9 +55,6 @@ from kvrelay.sim.model import chain, expected_tokens, sim_loaded
 from kvrelay.sim.net import SimNetwork
 
 SETTLE_POLL = 0.1
-# A real gap the simulation found, not yet closed (see tests/test_sim_regressions.py): a
-# one-sided write that lands after D released a failed room's quarantine because it had
-# declared P dead, while that P was in fact alive (paused with D, or silent only one way).
 
 
 class Violation(AssertionError):
