@@ -4,12 +4,13 @@ came from. The mutants it must catch are in test_sim_mutants.py."""
 from __future__ import annotations
 
 import os
+import pickle
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 
 from kvrelay.sim import faults as fl
 from kvrelay.sim.__main__ import _batch, main, parse_seeds, replay_command
-from kvrelay.sim.run import SimConfig, run_seed
+from kvrelay.sim.run import SimConfig, Violation, run_seed
 
 SWEEP = int(os.environ.get("KVRELAY_SIM_SEEDS", "800"))   # about a minute on 2 cores
 
@@ -47,6 +48,12 @@ def test_a_given_schedule_replaces_the_drawn_one(capsys):
     assert cmd.startswith("python -m kvrelay.sim --seeds 5-5 --schedule ")
     assert main(["--seeds", "5-5", "--schedule", fl.to_json(only_first)]) == 0
     assert "1 seeds (1P2D, 20 requests each)" in capsys.readouterr().out
+
+
+def test_a_violation_crosses_process_boundaries():
+    """--jobs sends results back from worker processes: a failing seed must arrive as one."""
+    v = pickle.loads(pickle.dumps(Violation("no-late-write", "bytes of room 1 land in page 0")))
+    assert (v.invariant, v.detail) == ("no-late-write", "bytes of room 1 land in page 0")
 
 
 def test_seed_ranges():

@@ -10,6 +10,10 @@
    a pause) with a write in flight. D now ends a quarantine only on P's Stopped, on seeing
    a new incarnation of P, or at the backstop (transfer deadline + grace)
    (`DecodeSide._end_quarantines`).
+3. Right after that fix: a quarantine whose writer was P's *new* incarnation ended at
+   once, because D's lease still held P's previous incarnation and "another incarnation
+   is on record" read as "the writer was replaced". A restart now counts only if an
+   incarnation appears that was not visible when the quarantine began.
 """
 from __future__ import annotations
 
@@ -74,5 +78,29 @@ def test_the_gap_schedules_still_reach_the_bug(monkeypatch):
     no-late-write: they still test what they should."""
     monkeypatch.setattr(DecodeSide, "_peer_dead", release_on_death)
     for seed, schedule in GAPS:
+        r = run_seed(seed, schedule=fl.from_json(schedule))
+        assert not r.ok and r.violation.invariant == "no-late-write", (seed, r.violation)
+
+
+# (seed, shrunk schedule): P crashed and restarted; a room with the new P was aborted
+# while D's lease still named the old incarnation
+STALE_LEASE = [
+    (43020, '[{"at":0.536,"kind":"crash","target":"prefill-0","duration":0.385,"params":{}},'
+            '{"at":1.232,"kind":"abort","target":"r2","duration":0.0,"params":{}}]'),
+]
+
+
+@pytest.mark.parametrize("seed,schedule", STALE_LEASE)
+def test_a_stale_lease_does_not_end_the_new_writers_quarantine(seed, schedule):
+    r = run_seed(seed, schedule=fl.from_json(schedule))
+    assert r.ok, r.violation
+
+
+def test_the_stale_lease_schedule_still_reaches_the_bug(monkeypatch):
+    """With the old test (any other incarnation on record means restarted) it breaks."""
+    def any_other(self, q):
+        return q.incarnation is not None and bool(self._visible(q.peer) - {q.incarnation})
+    monkeypatch.setattr(DecodeSide, "_restarted", any_other)
+    for seed, schedule in STALE_LEASE:
         r = run_seed(seed, schedule=fl.from_json(schedule))
         assert not r.ok and r.violation.invariant == "no-late-write", (seed, r.violation)

@@ -45,6 +45,7 @@ class Quarantined:
     receiver: KVReceiver
     asked: float = float("-inf")   # last ask_stopped()
     incarnation: str | None = None  # P's incarnation that may still write
+    known: frozenset = frozenset()  # incarnations visible at P's address when it began
 
 
 class DecodeSide(Coordinator):
@@ -141,8 +142,9 @@ class DecodeSide(Coordinator):
             until = self.clock.now() + self.cfg.transfer_timeout + self.cfg.quarantine_grace
             if mutation.on("quarantine_on_timer"):  # SGLang #38961: released on a timer while P may write
                 until = self.clock.now() + self.cfg.heartbeat_interval
+            writer = self._writer_incarnation(r)
             self.quarantine[r.room] = Quarantined(r.room, r.peer, r.data["pages"], until, rcv, self.clock.now(),
-                                                  self._writer_incarnation(r))
+                                                  writer, frozenset(self._visible(r.peer)) | {writer})
             return
         if rcv is not None:
             rcv.close()
@@ -159,12 +161,17 @@ class DecodeSide(Coordinator):
         peer = self.manager.peers().get(r.peer or "")
         return peer.incarnation if peer is not None else None
 
+    def _visible(self, address: str | None) -> set[str]:
+        """The incarnations at `address` that the lease and the transfer manager know
+        now (either may lag behind the other: an old lease, a fresh bootstrap)."""
+        found = (self.leases.peers.get(address or ""), self.manager.peers().get(address or ""))
+        return {x.incarnation for x in found if x is not None and x.incarnation is not None}
+
     def _restarted(self, q: Quarantined) -> bool:
-        """A newer incarnation of q's writer has been seen (heartbeat or bootstrap)."""
-        if q.incarnation is None or q.peer is None:
-            return False
-        lease, peer = self.leases.peers.get(q.peer), self.manager.peers().get(q.peer)
-        return any(x is not None and x.incarnation not in (None, q.incarnation) for x in (lease, peer))
+        """An incarnation of q's writer's address appeared that was not there when the
+        quarantine began: the writer has been replaced. (An older one still on record,
+        a stale lease for instance, proves nothing.)"""
+        return q.incarnation is not None and bool(self._visible(q.peer) - q.known)
 
     def _end_quarantines(self) -> None:
         now = self.clock.now()

@@ -62,6 +62,9 @@ class Violation(AssertionError):
         super().__init__(f"{invariant}: {detail}")
         self.invariant, self.detail = invariant, detail
 
+    def __reduce__(self):   # results cross process boundaries (--jobs)
+        return Violation, (self.invariant, self.detail)
+
 
 @dataclass(frozen=True)
 class SimConfig:
