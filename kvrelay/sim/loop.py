@@ -12,6 +12,8 @@ raises `Stalled` instead of blocking forever.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import weakref
 
 from kvrelay.core.clock import SimClock
 
@@ -43,6 +45,19 @@ class VirtualLoop(asyncio.BaseEventLoop):
         self.clock = clock
         self._selector = _VirtualSelector(clock)
         self._clock_resolution = 1e-9
+        self._born: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # task -> creation number
+        self._births = itertools.count()
+
+    def create_task(self, coro, **kwargs) -> asyncio.Task:
+        task = super().create_task(coro, **kwargs)
+        self._born[task] = next(self._births)
+        return task
+
+    def tasks_in_creation_order(self) -> list[asyncio.Task]:
+        """The loop's tasks not yet done, oldest first. (`asyncio.all_tasks` is a WeakSet:
+        its order is the tasks' addresses, which differ from one process to the next.)"""
+        tasks = [t for t in asyncio.all_tasks(self) if not t.done()]
+        return sorted(tasks, key=lambda t: self._born.get(t, -1))
 
     def time(self) -> float:
         return self.clock.now()
@@ -66,10 +81,10 @@ def run(main, clock: SimClock):
             loop.close()
 
 
-def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+def _cancel_all(loop: VirtualLoop) -> None:
     """Cancel what is left (worker loops, health checks) and let it unwind; a task whose
     unwinding waits on something that will never come is simply dropped with the loop."""
-    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    tasks = loop.tasks_in_creation_order()   # cancelled (and so unwound) in a replayable order
     for t in tasks:
         t.cancel()
     try:
