@@ -5,9 +5,12 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 BASE := $(VENV)/.base-installed
 NIXL := $(VENV)/.nixl-installed
+TESTDEPS := $(VENV)/.test-installed
+PROMETHEUS := $(VENV)/.prometheus-installed
+CLIENTS := $(VENV)/.clients-installed
 ARGS ?=
 
-.PHONY: run test bench clean-venv
+.PHONY: run nixl test bench clean-venv
 
 $(BASE): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,15 +20,36 @@ $(BASE): requirements.txt pyproject.toml
 	$(PIP) --no-deps --no-build-isolation -e .
 	touch $@
 
-# The optional NIXL transfer backend (about 340 MB, no torch pulled in).
+# The optional NIXL transfer backend (about 340 MB, no torch pulled in): `make nixl`.
+# `make run` does not need it (the default backend is shm); the tests use it.
 $(NIXL): $(BASE)
 	$(PIP) --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 	touch $@
 
-run: $(BASE) $(NIXL)
+nixl: $(NIXL)
+
+# Test-only tools (requirements-test.txt): never installed by `make run`.
+$(TESTDEPS): requirements-test.txt $(BASE)
+	$(PIP) -r requirements-test.txt
+	touch $@
+
+# Third-party OpenAI clients that tests/test_clients.py drives (requirements-clients.txt;
+# about 40 s from PyPI): test-only as well.
+$(CLIENTS): requirements-clients.txt $(BASE)
+	$(PIP) -r requirements-clients.txt
+	touch $@
+
+run: $(BASE)
 	$(PY) -m kvrelay serve $(ARGS)
 
-test: $(BASE) $(NIXL)
+# Debian's Prometheus and promtool for tests/test_prometheus.py (apt, about 10 s; root as in CI).
+$(PROMETHEUS):
+	command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
+	  apt-get install -y -qq --no-install-recommends prometheus >/dev/null || \
+	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }; }
+	touch $@
+
+test: $(BASE) $(NIXL) $(TESTDEPS) $(PROMETHEUS) $(CLIENTS)
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
 # Real-process chaos, one seeded episode per seed (tests/chaos.py; docs/operations.md).
@@ -40,7 +64,7 @@ JOBS ?= 2
 sim: $(BASE)
 	$(PY) -m kvrelay.sim --seeds $(SEEDS) --jobs $(JOBS) $(ARGS)
 
-bench: $(BASE) $(NIXL)
+bench: $(BASE)
 	$(PY) benchmarks/serving.py --spawn $(ARGS)
 
 clean-venv:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import sys
 import typing
 
@@ -23,7 +24,8 @@ SECTIONS = {
 # Workers take no API keys: only the router and colocated servers face clients.
 _CLIENT_FACING = {"security.api_key", "security.max_streams_per_key"}
 SKIPPED = {"serve": {"router.prefill", "router.decode"},
-           "router": {"cluster.num_prefill", "cluster.num_decode", "cluster.worker_threads"},
+           "router": {"cluster.num_prefill", "cluster.num_decode", "cluster.worker_threads",
+                      "cluster.worker_base_port"},
            "prefill": _CLIENT_FACING, "decode": _CLIENT_FACING}
 
 COMMAND_HELP = {
@@ -34,7 +36,25 @@ COMMAND_HELP = {
     "router": "run the router in front of prefill and decode workers started elsewhere",
     "keygen": "print a new random cluster key (kvrelay keygen > cluster.key && chmod 600 cluster.key; "
               "give every process of the cluster --cluster-key-file cluster.key)",
+    "version": "print the versions of kvrelay and of the packages it serves with",
 }
+NIXL_HINT = "the nixl transfer backend is not installed: run `make nixl` (or `pip install --no-deps nixl==1.5.1 " \
+            "nixl-cu12==1.5.1`), or choose --transfer-backend shm or tcp"
+
+
+def _installed(dist: str) -> str | None:
+    """The installed version of distribution `dist`, None if it is not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def version() -> str:
+    return _installed("kvrelay") or "unknown"   # unknown: a source tree that was never installed
 
 
 def _flag_type(tp) -> tuple[type, bool]:
@@ -55,9 +75,7 @@ def add_section_flags(parser: argparse.ArgumentParser, section: str, skip: typin
             continue
         tp, _ = _flag_type(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
-        kwargs = dict(dest=f"{section}.{f.name}", default=f.default, help=f.metadata.get("help", ""))
-        if "choices" in f.metadata:
-            kwargs["choices"] = f.metadata["choices"]
+        kwargs = dict(dest=f"{section}.{f.name}", default=f.default, help=flag_help(f))
         if "nargs" in f.metadata:  # a tuple field: several values after one flag
             kwargs.update(nargs=f.metadata["nargs"], type=str, metavar="VALUE")
             if f.metadata.get("action") == "extend":  # the flag may also be repeated
@@ -66,10 +84,31 @@ def add_section_flags(parser: argparse.ArgumentParser, section: str, skip: typin
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = tp
-            kwargs["metavar"] = tp.__name__.upper()
-        if f.default is not None and tp is not bool and "nargs" not in f.metadata:
-            kwargs["help"] += f" (default: {f.default})"
+            if "choices" in f.metadata:   # no metavar: the usage line shows {a,b,c}
+                kwargs["choices"] = f.metadata["choices"]
+            else:
+                kwargs["metavar"] = tp.__name__.upper()
         group.add_argument(flag, **kwargs)
+
+
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None or value == ():
+        return "none"
+    return str(value)
+
+
+def flag_help(f: dataclasses.Field) -> str:
+    """A field's help, with its choices and its default (unless the text already says
+    what the default is), escaped for argparse's %-formatting."""
+    text = f.metadata.get("help", "")
+    notes = [f"choices: {', '.join(map(str, f.metadata['choices']))}"] if "choices" in f.metadata else []
+    if "(default" not in text:
+        notes.append(f"default: {_shown(f.default)}")
+    if notes:
+        text += f" ({'; '.join(notes)})"
+    return text.replace("%", "%%")
 
 
 def config_from_args(args: argparse.Namespace) -> KVRelayConfig:
@@ -85,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> KVRelayConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrelay", description="Prefill/decode disaggregated LLM serving.")
+    parser.add_argument("--version", action="version", version=f"kvrelay {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command, sections in SECTIONS.items():
         p = sub.add_parser(command, help=COMMAND_HELP[command], description=COMMAND_HELP[command])
@@ -94,13 +134,39 @@ def build_parser() -> argparse.ArgumentParser:
                                 "on this host; colocated: one process does prefill and decode (default: disagg)")
         for section in sections:
             add_section_flags(p, section, SKIPPED.get(command, ()))
-    sub.add_parser("keygen", help=COMMAND_HELP["keygen"], description=COMMAND_HELP["keygen"])
+    for command in ("keygen", "version"):
+        sub.add_parser(command, help=COMMAND_HELP[command], description=COMMAND_HELP[command])
     return parser
 
 
 def fail(message: str) -> typing.NoReturn:
     print(f"kvrelay: error: {message}", file=sys.stderr)
     raise SystemExit(1)
+
+
+def preflight(command: str, mode: str | None, config: KVRelayConfig) -> None:
+    """What can fail without a model, checked before anything slow starts (torch, the
+    tokenizer, workers): the nixl package, a worker's listening rules, then the port
+    (claimed here, served later) and the ports `serve` will give its workers. Imports
+    nothing that imports torch. Raises StartupError."""
+    from kvrelay.obs.logs import setup_logging
+    from kvrelay.server.errors import StartupError
+    from kvrelay.server.startup import check_port_free, check_worker_ports, claim_port, worker_ports
+
+    setup_logging(config.server.log_level, config.server.log_format)
+    runs_workers = command in ("prefill", "decode") or (command == "serve" and mode != "colocated")
+    transfer = config.transfer
+    if runs_workers and transfer.transfer_backend == "nixl" and importlib.util.find_spec("nixl") is None:
+        raise StartupError(NIXL_HINT)
+    if command in ("prefill", "decode"):
+        from kvrelay.server.security import check_worker, load_cluster_key
+
+        check_worker(config, command, load_cluster_key(config.security))
+        if transfer.transfer_port:
+            check_port_free(transfer.transfer_host, transfer.transfer_port, "--transfer-port")
+    claim_port(config.server)
+    if command == "serve" and mode != "colocated":
+        check_worker_ports(config, worker_ports(config))
 
 
 def _run(command: str, mode: str | None, config: KVRelayConfig) -> None:
@@ -119,12 +185,23 @@ def _run(command: str, mode: str | None, config: KVRelayConfig) -> None:
         serve_worker(config, command)
 
 
+def print_versions() -> None:
+    """`kvrelay version`: what a bug report needs, without importing any of it."""
+    print(f"kvrelay {version()}")
+    print(f"python {sys.version.split()[0]}")
+    for dist in ("torch", "transformers", "tokenizers", "huggingface_hub", "fastapi", "uvicorn", "nixl"):
+        print(f"{dist} {_installed(dist) or 'not installed'}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "keygen":
         from kvrelay.core.keys import ClusterKey
 
         print(ClusterKey.generate().export())
+        return
+    if args.command == "version":
+        print_versions()
         return
     try:
         config = config_from_args(args)
@@ -135,13 +212,18 @@ def main(argv: list[str] | None = None) -> None:
             if not getattr(config.router, role):
                 fail(f"router needs at least one --{role} URL (e.g. --{role} http://127.0.0.1:8001)")
     from kvrelay.server.errors import StartupError
+    from kvrelay.server.startup import release_ports
 
+    mode = getattr(args, "mode", None)
     try:
-        _run(args.command, getattr(args, "mode", None), config)
+        preflight(args.command, mode, config)
+        _run(args.command, mode, config)
     except StartupError as exc:
         fail(str(exc))
     except KeyboardInterrupt:
         pass
+    finally:
+        release_ports()
 
 
 if __name__ == "__main__":

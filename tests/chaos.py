@@ -243,13 +243,13 @@ def idle_problems(cluster: Cluster) -> tuple[list[str], list[str]]:
     for p in [cluster.router, *cluster.workers]:
         s = metric_samples(p.url)
         phases = {dict(ls)["phase"]: v for (n, ls), v in s.items() if n == "kvrelay_requests" and v}
-        free, total = gauge(s, "kvrelay_kv_pages_free"), gauge(s, "kvrelay_kv_pages_total")
+        free, total = gauge(s, "kvrelay_kv_pages_free"), gauge(s, "kvrelay_kv_pages_capacity")
         held = sum(gauge(s, "kvrelay_kv_pages_quarantined"))
         if phases:
             bad.append(f"{p.name} phases {phases}")
         if held:
             quarantined.append(f"{p.name}: {held:g}")
-        elif free != total:
+        elif free != total or (p is not cluster.router and not total):   # the router has no pool
             bad.append(f"{p.name} free pages {free} of {total}")
     view = httpx.get(f"{cluster.url}/debug/requests", timeout=10).json()
     if view["count"]:

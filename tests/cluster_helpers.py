@@ -152,9 +152,9 @@ class Cluster:
             for p in [self.router, *self.workers]:
                 s = metric_samples(p.url)
                 phases = gauge(s, "kvrelay_requests")
-                free, total = gauge(s, "kvrelay_kv_pages_free"), gauge(s, "kvrelay_kv_pages_total")
+                free, total = gauge(s, "kvrelay_kv_pages_free"), gauge(s, "kvrelay_kv_pages_capacity")
                 held = sum(gauge(s, "kvrelay_kv_pages_quarantined"))
-                if not phases or any(phases) or free != total:
+                if not phases or any(phases) or free != total or (p is not self.router and not total):
                     bad[p.name] = (phases, free, total, held)
                     quarantined = quarantined or (not any(phases) and sum(free) + held == sum(total) and held > 0)
             if not bad:

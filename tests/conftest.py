@@ -35,3 +35,16 @@ def tiny_engine(tiny_loaded):
                           SchedulerConfig(max_running_requests=32, max_prefill_tokens=1024))
     yield engine
     engine.shutdown()
+
+
+@pytest.fixture
+def anyio_backend():
+    """The anyio-marked tests run on asyncio (the server's loop)."""
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def app(tiny_engine):
+    """The OpenAI API over the tiny engine, one per test module (a module may define its own)."""
+    from kvrelay.server.openai_api import build_openai_app
+    return build_openai_app(tiny_engine)

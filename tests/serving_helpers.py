@@ -49,7 +49,9 @@ def running_server(*args: str, ready_timeout: float = 180.0):
     with tempfile.TemporaryDirectory(prefix="kvrelay-serve-") as tmp:
         log = Path(tmp) / "serve.log"
         with open(log, "w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "kvrelay", "serve", "--port", str(port), *args],
+            # workers on any free ports: --port + 1.. may be taken by another process here
+            base = () if "--worker-base-port" in args else ("--worker-base-port", "0")
+            proc = subprocess.Popen([sys.executable, "-m", "kvrelay", "serve", "--port", str(port), *base, *args],
                                     stdout=out, stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"
         try:
@@ -86,14 +88,16 @@ def worker_urls(url: str) -> list[str]:
 
 def assert_no_leak(url: str, timeout: float = 10.0) -> None:
     """On the server and every worker behind it: every phase gauge 0 and free pages ==
-    total pages (waiting briefly for aborts to land)."""
+    pool pages (waiting briefly for aborts to land). A router has no pool to report."""
     deadline = time.monotonic() + timeout
-    for u in [url, *worker_urls(url)]:
+    workers = worker_urls(url)
+    for u in [url, *workers]:
         while True:
             s = metric_samples(u)
             phases = gauge(s, "kvrelay_requests")
-            free, total = gauge(s, "kvrelay_kv_pages_free"), gauge(s, "kvrelay_kv_pages_total")
-            if phases and all(v == 0 for v in phases) and free == total:
+            free, total = gauge(s, "kvrelay_kv_pages_free"), gauge(s, "kvrelay_kv_pages_capacity")
+            pool = bool(total) or (u == url and bool(workers))
+            if phases and all(v == 0 for v in phases) and free == total and pool:
                 break
             if time.monotonic() > deadline:
                 raise AssertionError(f"leak at {u}: phase gauges {phases}, free pages {free}, total pages {total}")

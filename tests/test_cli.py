@@ -93,8 +93,9 @@ def test_worker_flags_round_trip_through_the_flags_a_cluster_forwards():
 
 @pytest.mark.parametrize("args,words", [
     (["router", "--decode", "http://127.0.0.1:1"], "router needs at least one --prefill URL"),
-    (["router", "--prefill", "127.0.0.1:1", "--decode", "http://127.0.0.1:2"], "must start with http://"),
-    (["router", "--prefill", "http://a:1", "--decode", "http://a:1"], "listed twice"),
+    (["router", "--port", "0", "--prefill", "127.0.0.1:1", "--decode", "http://127.0.0.1:2"],
+     "must start with http://"),
+    (["router", "--port", "0", "--prefill", "http://a:1", "--decode", "http://a:1"], "listed twice"),
     (["serve", "--num-prefill", "0"], "--num-prefill must be at least 1"),
     (["prefill", "--fault-spec", "drop_ack=1"], "needs --enable-fault-injection"),
     (["decode", "--enable-fault-injection", "--host", "0.0.0.0"], "needs --host and --transfer-host on loopback"),
@@ -185,13 +186,30 @@ def answers(url: str) -> bool:
         return False
 
 
+def free_port_run(n: int) -> int:
+    """A port p such that p .. p + n - 1 are all free now (serve's router and its workers)."""
+    import socket
+
+    for _ in range(50):
+        p = free_port()
+        try:
+            with contextlib.ExitStack() as stack:
+                for q in range(p, p + n):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+    raise AssertionError(f"no run of {n} free ports")
+
+
 class Serve:
     """`python -m kvrelay serve` (real workers) on the tiny model, in its own process group
-    as a shell runs a job; stdout and stderr go to files."""
+    as a shell runs a job; stdout and stderr go to files. Its workers take the next ports."""
 
     def __init__(self, tmp_path: Path, model_dir, *flags: str,
                  kv: tuple[str, ...] = ("--max-kv-tokens", "4096")) -> None:
-        self.port = free_port()
+        self.port = free_port_run(3)
         self.url = f"http://127.0.0.1:{self.port}"
         self.out, self.err = tmp_path / "serve.out", tmp_path / "serve.err"
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -282,6 +300,9 @@ def test_serve_starts_its_workers_serves_and_a_signal_stops_every_child(serve, s
     for w in workers:   # the router's workers are those children
         argv = next(cmdline(p) for p in kids if cmdline(p)[3] == w["role"])
         assert w["url"] == f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
+    # fixed ports: prefill worker 0 on --port + 1, decode worker 0 after it
+    assert {w["role"]: w["url"] for w in workers} == {"prefill": f"http://127.0.0.1:{s.port + 1}",
+                                                      "decode": f"http://127.0.0.1:{s.port + 2}"}
 
     r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "hello", "max_tokens": 5, "temperature": 0,
                                                     "ignore_eos": True}, timeout=60)
@@ -302,6 +323,17 @@ def test_serve_starts_its_workers_serves_and_a_signal_stops_every_child(serve, s
     assert f"[prefill-0] kvrelay prefill: model {model} (float32), KV capacity 4096 tokens" in err
     assert f"[decode-0] kvrelay decode: model {model} (float32), KV capacity 4096 tokens" in err
     assert "outcome=success reason=length" in err
+    # progress while it starts, in order: the workers and their ports, each worker ready
+    progress = [ln.split(" INFO kvrelay.serve ", 1)[1] for ln in err.splitlines() if " INFO kvrelay.serve " in ln]
+    assert progress[0].startswith("starting workers model=random:") and \
+        progress[0].endswith(f"workers=prefill-0@{s.port + 1},decode-0@{s.port + 2} transfer=shm"), progress
+    assert sorted(ln.split()[2] for ln in progress[1:] if ln.startswith("worker ready")) == \
+        ["worker=decode-0", "worker=prefill-0"], progress
+    # uvicorn's lines in kvrelay's format (timestamp, level, logger), from serve and its workers alike
+    assert any(ln.endswith("INFO uvicorn.error Application startup complete.") and ln[:4].isdigit()
+               for ln in err.splitlines()), err
+    assert any(ln.startswith("[prefill-0] ") and ln.endswith(" INFO uvicorn.error Application startup complete.")
+               for ln in err.splitlines()), err
 
 
 def test_a_worker_that_fails_at_startup_stops_serve_with_one_line_naming_it(serve):

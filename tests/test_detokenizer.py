@@ -143,3 +143,20 @@ def test_random_token_ids_match_whole_decode(tok):
         ids = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 30))]
         deltas, _, detok = stream(tok, ids, chunks=random_chunks(rng, ids))
         assert "".join(deltas) + detok.flush() == decode(tok, ids)
+
+
+def test_stops_are_not_looked_for_before_they_are_armed(tok):
+    """min_tokens: text decoded before the stops are armed is emitted whole, and a stop
+    string in it ends nothing; the same string after arming stops the text."""
+    text = "alpha beta gamma beta delta"
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, tok.encode(PROMPT), ("beta",))
+    armed_from = next(n for n in range(len(ids) + 1) if decode(tok, ids[:n]).startswith("alpha beta gamma"))
+    deltas = []
+    for n, tid in enumerate(ids, 1):
+        delta, stopped = detok.add([tid], armed=n > armed_from)
+        deltas.append(delta)
+        if stopped:
+            break
+    assert stopped and detok.matched_stop == "beta"
+    assert "".join(deltas) == detok.text == "alpha beta gamma "

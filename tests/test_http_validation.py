@@ -28,11 +28,6 @@ OK_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 LONE = "\ud800"   # a lone UTF-16 surrogate: valid JSON ("\ud800"), not valid Unicode text
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @asynccontextmanager
 async def client(app):
     transport = httpx.ASGITransport(app, raise_app_exceptions=False)

@@ -219,7 +219,8 @@ def assert_idle(worker: Proc) -> None:
     s = metric_samples(worker.url)
     phases = gauge(s, "kvrelay_requests")
     assert phases and not any(phases), (worker.name, phases)
-    assert gauge(s, "kvrelay_kv_pages_free") == gauge(s, "kvrelay_kv_pages_total"), worker.name
+    capacity = gauge(s, "kvrelay_kv_pages_capacity")
+    assert capacity and gauge(s, "kvrelay_kv_pages_free") == capacity, worker.name
 
 
 @contextlib.asynccontextmanager

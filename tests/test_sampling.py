@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from kvrelay.engine.sampling import Sampler, SamplingState, truncate
+from kvrelay.engine.sampling import Sampler, SamplingState, _truncate_rows, truncate
 from kvrelay.engine.types import RequestRejected, SamplingParams
 
 V = 64
@@ -263,3 +263,19 @@ def test_truncation_candidate_search_matches_full_sort():
 def test_no_truncation_returns_input():
     logits = random_logits(2)
     assert truncate(logits, [0, 0], [1.0, 1.0]) is logits
+
+
+def test_rows_cut_to_few_finite_logits_settle_from_the_candidates():
+    """After min_p or suppression most of a row is -inf: a tie at -inf on the candidate
+    edge must not send the row to the full sort, and the kept set is still exact."""
+    vocab, width = 3000, 256
+    logits = random_logits(3, seed=10, vocab=vocab)
+    logits[:, 20:] = float("-inf")
+    logits[2, :] = float("-inf")
+    logits[2, 7] = 1.0
+    top_k, top_p = [0, 5, 0], [0.9, 1.0, 0.5]
+    out = logits.clone()
+    assert _truncate_rows(out, [0, 1, 2], top_k, top_p, width) == []
+    slow = truncate(logits, top_k, top_p, width=vocab)
+    assert torch.equal(out.isfinite(), slow.isfinite())
+    assert out[2].isfinite().nonzero().flatten().tolist() == [7]

@@ -35,11 +35,6 @@ C = "/v1/completions"
 OK_C = {"prompt": "hi", "max_tokens": 2}
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @asynccontextmanager
 async def client(app, key: str | None = None, base_url: str = "http://kvrelay"):
     headers = {"Authorization": f"Bearer {key}"} if key else {}

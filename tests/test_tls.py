@@ -27,11 +27,6 @@ from serving_helpers import free_port
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     """A CA and a server certificate for 127.0.0.1 and localhost, as PEM files."""

@@ -26,7 +26,8 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 @dataclass(frozen=True)
 class ModelOptions:
     model: str = _f(DEFAULT_MODEL, "model to serve: the built-in default, a .gguf file, a Hugging Face "
-                    "directory (config.json + *.safetensors + tokenizer), or random:<config.json>")
+                    "directory (config.json + *.safetensors + tokenizer), a Hugging Face id (owner/name) "
+                    "already in the local Hugging Face cache, or random:<config.json>")
     dtype: str = _f("bfloat16", "compute and KV dtype", choices=("float32", "bfloat16"))
     served_model_name: str | None = _f(None, "model name reported by the API (default: derived from --model)")
     seed: int = _f(0, "seed for random-weight models")
@@ -61,10 +62,16 @@ class ServerConfig:
     host: str = _f("127.0.0.1", "address to listen on")
     port: int = _f(8000, "port to listen on")
     log_level: str = _f("info", "log level", choices=("debug", "info", "warning", "error"))
+    log_format: str = _f("text", "log lines on stderr, kvrelay's and uvicorn's alike: text (timestamped "
+                         "key=value) or json (one object per line)", choices=("text", "json"))
     timeout_keep_alive: float = _f(5.0, "seconds an idle keep-alive HTTP connection is kept open before "
                                    "it is closed (slow or idle clients hold no connection longer)")
     limit_concurrency: int = _f(2048, "most HTTP connections and requests handled at once; beyond it new "
                                 "ones get 503 (above the router's 2 x --max-queued-requests legs per worker)")
+    allowed_origins: tuple[str, ...] = _f((), "origins browsers may call the API from (CORS), e.g. "
+                                          "https://app.example.com, or '*' for any; methods GET, POST, OPTIONS; "
+                                          "headers Authorization, Content-Type, X-Request-Id (default: none, no "
+                                          "CORS headers)", nargs="+")
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "--port must be between 0 and 65535")
@@ -128,11 +135,16 @@ class ClusterConfig:
     worker_threads: int | None = _f(None, "torch threads per worker (default: the cores divided "
                                     "among the workers)")
     startup_timeout: float = _f(600.0, "seconds to wait for every worker to become ready")
+    worker_base_port: int | None = _f(None, "HTTP port of prefill worker 0: prefill worker i listens on "
+                                      "base + i, decode worker j on base + --num-prefill + j "
+                                      "(default: --port + 1; 0: any free ports)")
 
     def __post_init__(self) -> None:
         _require(self.num_prefill >= 1, "--num-prefill must be at least 1")
         _require(self.num_decode >= 1, "--num-decode must be at least 1")
         _require(self.worker_threads is None or self.worker_threads >= 1, "--worker-threads must be at least 1")
+        _require(self.worker_base_port is None or 0 <= self.worker_base_port <= 65535,
+                 "--worker-base-port must be between 0 and 65535")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,11 @@ Invariants:
   that the engine owns them (under its rid) and frees them when it finishes the request,
   so `_release_room` then finds nothing to free.
 - The sink sees the engine's outputs while decoding; before that, only the final error or
-  abort output of a room that ended early.
+  abort outputs (one per choice) of a room that ended early.
+- A request of n > 1 choices reserves and receives the prompt's pages once; `Aux` brings
+  the n first tokens P sampled, and the engine forks the pages into n choices
+  (`EngineCore.add_prefilled`). The room ends when the last choice ends: done if every
+  choice stopped or reached its length, else with the first failure.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from __future__ import annotations
 from kvrelay.core import ids
 from kvrelay.disagg import wire
 from kvrelay.disagg.decode_side import DecodeSide
-from kvrelay.disagg.lifecycle import DPhase, TerminalEvent, phase_name
+from kvrelay.disagg.lifecycle import DPhase, Reason, TerminalEvent, phase_name
 from kvrelay.disagg.worker_core import Leg, WorkerCore, reason_of
 from kvrelay.engine.sampling import SampleResult
 from kvrelay.engine.scheduler import pages_for
@@ -31,6 +35,7 @@ class DecodeCore(WorkerCore):
     role = "decode"
     PHASES = tuple(phase_name(p) for p in (DPhase.BOOTSTRAP, DPhase.WAITING, DPhase.DECODE))
     QUEUED_PHASES = ("bootstrap", "waiting")
+    RUNNING_PHASES = ("decode",)
 
     def _make_side(self) -> DecodeSide:
         return DecodeSide(self.lifecycle_cfg, self.manager, self.clock, self._reserve, self._release_room,
@@ -39,7 +44,7 @@ class DecodeCore(WorkerCore):
     # ---- legs ----------------------------------------------------------------------------
     def add(self, greq: GenerateRequest, sink, room: int, prefill_address: str) -> None:  # type: ignore[override]
         self.validate_leg(greq)
-        self._add_leg(Leg(greq, sink, room))
+        self._add_leg(Leg(greq, sink, room, finals=greq.params.n))
         self.side.add(room, greq.rid, prefill_address, pages_for(len(greq.prompt_ids), self.layout.page_size))
 
     def _reserve(self, room: int, n: int) -> tuple[list[int], int] | None:
@@ -62,24 +67,34 @@ class DecodeCore(WorkerCore):
     def _start_decode(self, room: int, aux) -> None:
         leg = self.legs[room]
         rid, params = leg.greq.rid, leg.greq.params
+        tokens = aux.first_tokens()
+        if len(tokens) != params.n:
+            self.side.abort(room, Reason.TRANSFER_ERROR.value,
+                            f"the prefill side sent {len(tokens)} first tokens for n={params.n} choices")
+            return
+        firsts = []
+        for t in tokens:
+            lp = None
+            if params.logprobs is not None and t.logprob is not None:
+                lp = TokenLogprob(t.token, t.logprob, tuple(t.top_logprobs)[:params.logprobs])
+            firsts.append(SampleResult(t.token, lp))
         pages = self.side.lc.rooms[room].data["pages"]
         self.allocator.transfer(("room", room), rid)
-        lp = None
-        if params.logprobs is not None and aux.logprob is not None:
-            lp = TokenLogprob(aux.first_token, aux.logprob, tuple(aux.top_logprobs)[:params.logprobs])
         leg.in_engine = True
-        self.add_prefilled(leg.greq, self._engine_sink(leg), pages, SampleResult(aux.first_token, lp))
+        if self.metrics is not None:   # since the leg arrived: bootstrap + waiting for the KV
+            self.metrics.observe_leg_first_token(self.clock.now() - self.side.lc.rooms[room].created)
+        self.add_prefilled(leg.greq, self._engine_sink(leg), pages, firsts)
 
     def _engine_sink(self, leg: Leg):
         def sink(out: StepOutput) -> None:
             self._answer(leg, out)
-            if not out.finished:
-                return
+            if not (out.finished and leg.answered):
+                return   # a choice is still decoding
             leg.in_engine = False
-            if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            if leg.failure is None:
                 self.side.finish(leg.room)
             else:
-                self.side.abort(leg.room, *reason_of(out))
+                self.side.abort(leg.room, *reason_of(leg.failure))
         return sink
 
     def _on_terminal(self, ev: TerminalEvent) -> None:
@@ -92,7 +107,7 @@ class DecodeCore(WorkerCore):
             super().abort(leg.greq.rid, FinishReason.ABORT if aborted else FinishReason.ERROR,
                           None if aborted else f"{ev.reason}: {ev.detail}")
         else:
-            self._answer(leg, self._failed_output(leg, ev))
+            self._answer_failed(leg, ev)
 
     def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> None:
         room = self.room_of.get(rid)

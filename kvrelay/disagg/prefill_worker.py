@@ -7,6 +7,12 @@ request to the room, and the transfer starts (transfer) -> D's ack, or any failu
 the room and frees the pages (`_release_room`). The leg's sink gets exactly one output,
 when the room ends: finish_reason LENGTH for done, else ERROR/ABORT with the reason.
 
+A request of n > 1 choices is prefilled once and its KV sent once: the engine forks it at
+the first token, each choice samples its first token from the same logits with its own
+sampling state, and `_handoff` (called once per choice, in index order, in one step)
+collects the n tokens into one `Aux`; only choice 0's references move to the room, the
+others' are dropped as those choices end there.
+
 Invariants:
 - Pages of a room in transfer are owned by `("room", room)` in the engine's allocator; a
   room that ends before its prefill finished is aborted in the engine, which frees them.
@@ -27,6 +33,7 @@ class PrefillCore(WorkerCore):
     role = "prefill"
     PHASES = tuple(phase_name(p) for p in (PPhase.BOOTSTRAP, PPhase.QUEUED, PPhase.PREFILL, PPhase.TRANSFER))
     QUEUED_PHASES = ("bootstrap", "queued")
+    RUNNING_PHASES = ("prefill",)
 
     def _make_side(self) -> PrefillSide:
         return PrefillSide(self.lifecycle_cfg, self.manager, self.clock, self._release_room,
@@ -46,6 +53,8 @@ class PrefillCore(WorkerCore):
                 leg = self.legs[room]
                 super().add(leg.greq, self._engine_sink(room), prefill_only=True)
                 leg.in_engine = True
+                if self.metrics is not None:   # queued since the leg arrived: bootstrap + queued
+                    self.metrics.observe_queue(self.clock.now() - self.side.lc.rooms[room].created)
         self._engine_step()
 
     def _engine_sink(self, room: int):
@@ -55,18 +64,30 @@ class PrefillCore(WorkerCore):
                 self.side.abort(room, *reason_of(out))
         return sink
 
+    def final_outputs(self, greq: GenerateRequest) -> int:
+        return 1   # the leg's one answer, whatever n is
+
     def _handoff(self, req: Req, first: SampleResult) -> None:
         room = self.room_of.get(req.rid)
         r = self.side.lc.rooms.get(room) if room is not None else None
         if r is None or r.phase is not PPhase.PREFILL:
             return  # the room already ended: the engine frees the pages
-        self.allocator.transfer(req.rid, ("room", room))
-        pages = list(req.pages)
-        lp = first.logprob
-        aux = wire.Aux(room, 0, first_token=first.token_id, logprob=lp.logprob if lp else None,
-                       top_logprobs=tuple(lp.top) if lp else (), prompt_tokens=req.prompt_len)
-        self.legs[room].in_engine = False
-        self.side.prefill_done(room, pages, aux)
+        leg = self.legs[room]
+        if req.index == 0:
+            self.allocator.transfer(req.owner, ("room", room))
+            leg.firsts = []
+        leg.firsts.append(first)
+        if len(leg.firsts) < req.params.n:
+            return   # the next choice hands off in this same step
+        tokens = [wire.FirstToken(f.token_id, f.logprob.logprob if f.logprob else None,
+                                  tuple(f.logprob.top) if f.logprob else ()) for f in leg.firsts]
+        head = tokens[0]
+        aux = wire.Aux(room, 0, first_token=head.token, logprob=head.logprob, top_logprobs=head.top_logprobs,
+                       prompt_tokens=req.prompt_len, more_choices=tuple(tokens[1:]))
+        leg.in_engine = False
+        if self.metrics is not None:
+            self.metrics.observe_leg_first_token(self.clock.now() - r.created)
+        self.side.prefill_done(room, self.allocator.pages_of(("room", room)), aux)
 
     def _release_room(self, room: int) -> None:
         self.allocator.free(("room", room))
@@ -79,10 +100,10 @@ class PrefillCore(WorkerCore):
         if leg.in_engine:  # ended during its forward pass: the engine drops it and its pages
             super().abort(leg.greq.rid, FinishReason.ABORT)
         if ev.phase == "done":
-            out = StepOutput(leg.greq.rid, finish_reason=FinishReason.LENGTH, prompt_tokens=len(leg.greq.prompt_ids))
+            self._answer(leg, StepOutput(leg.greq.rid, finish_reason=FinishReason.LENGTH,
+                                         prompt_tokens=len(leg.greq.prompt_ids)))
         else:
-            out = self._failed_output(leg, ev)
-        self._answer(leg, out)
+            self._answer_failed(leg, ev)
 
     def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> None:
         room = self.room_of.get(rid)

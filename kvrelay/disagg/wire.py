@@ -55,6 +55,8 @@ MAX_ROOMS_PER_MSG = 1 << 16     # rooms (or progress entries) in one heartbeat
 MAX_NAME = 256                  # ids, incarnations, reasons, phases
 MAX_ENDPOINT_VALUE = 1 << 20    # one value of a backend's endpoint (nixl agent metadata, base64)
 MAX_ADDRESS = 270
+MAX_CHOICES = 64                # first tokens in one Aux (engine.types.MAX_N)
+MAX_TOP_LOGPROBS = 1024
 
 
 class WireError(ValueError):
@@ -316,16 +318,34 @@ class Notice(Message):
     reason: Name
 
 
+TopLogprobs = Annotated[tuple[tuple[TokenId, Number], ...], Field(max_length=MAX_TOP_LOGPROBS)]
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """A choice's first token, sampled on P, with its logprob and top alternatives."""
+    token: TokenId
+    logprob: Number | None = None
+    top_logprobs: TopLogprobs = ()
+
+
 @message("Aux")
 @dataclass(frozen=True)
 class Aux(Message):
-    """P -> D, sent LAST: its arrival means all of the room's KV has landed."""
+    """P -> D, sent LAST: its arrival means all of the room's KV has landed. The first
+    token (logprob, top alternatives) is choice 0's; a request of n > 1 choices, prefilled
+    and sent once, carries choices 1..n-1's first tokens in `more_choices`, in order."""
     room: Room
     epoch: Epoch
     first_token: TokenId
     logprob: Number | None = None
-    top_logprobs: Annotated[tuple[tuple[TokenId, Number], ...], Field(max_length=1024)] = ()
+    top_logprobs: TopLogprobs = ()
     prompt_tokens: Count = 0
+    more_choices: Annotated[tuple[FirstToken, ...], Field(max_length=MAX_CHOICES - 1)] = ()
+
+    def first_tokens(self) -> list[FirstToken]:
+        """Every choice's first token, choice 0 first."""
+        return [FirstToken(self.first_token, self.logprob, self.top_logprobs), *self.more_choices]
 
 
 @message("Ack")

@@ -3,8 +3,9 @@ transfer manager's buffer, one lifecycle coordinator (`side`) stepped by the eng
 and the legs (one per room) that the HTTP layer waits on.
 
 Invariants:
-- Every leg ends with exactly one final output to its sink, when its room ends (terminal
-  event) or, once decoding, when the engine finishes it.
+- Every leg ends with exactly one final output per choice it answers for (`Leg.finals`:
+  a prefill leg 1, a decode leg n) to its sink, when its room ends (terminal event) or,
+  once decoding, when the engine finishes each choice.
 - `snapshot()` and `debug_view()` read the same rooms on the engine thread, so the phase
   gauges in /metrics and the rows of /debug/requests cannot disagree.
 - `check_idle()` holds when nothing is live: no leg, no room, no quarantined page, no
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from abc import abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from kvrelay.core import mutation
@@ -44,8 +45,12 @@ class Leg:
     greq: GenerateRequest
     sink: Callable[[StepOutput], None]
     room: int
+    finals: int = 1           # final outputs it owes: one per choice it answers for
     in_engine: bool = False   # the engine holds it (P: computing; D: decoding)
-    answered: bool = False    # its final output went out
+    answered: bool = False    # every final output went out
+    ended: set[int] = field(default_factory=set)    # choices whose final output went out
+    failure: StepOutput | None = None               # the first final that was an error or an abort
+    firsts: list = field(default_factory=list)      # P: the choices' first tokens so far (SampleResult)
 
 
 def reason_of(out: StepOutput) -> tuple[str, str]:
@@ -60,6 +65,8 @@ class WorkerCore(EngineCore):
     role = ""
     PHASES: tuple[str, ...] = ()
     QUEUED_PHASES: tuple[str, ...] = ()   # phases that count as "queued" for the router's load view
+    RUNNING_PHASES: tuple[str, ...] = ()  # phases whose requests the engine computes (vLLM's "running")
+    CLIENT_TIMINGS = False                # the router reports its requests' client-side timings
 
     def __init__(self, loaded, kv_cfg: KVCacheConfig, sched_cfg: SchedulerConfig, lifecycle_cfg: LifecycleConfig,
                  transfer_cfg: TransferConfig, clock: Clock | None = None, metrics=None,
@@ -108,16 +115,25 @@ class WorkerCore(EngineCore):
 
     @staticmethod
     def _answer(leg: Leg, out: StepOutput) -> None:
-        if not leg.answered:
-            leg.answered = out.finished
-            leg.sink(out)
+        """Pass `out` on unless its choice already ended; the leg is answered once each of
+        its `finals` choices has."""
+        if leg.answered or out.index in leg.ended:
+            return
+        if out.finished:
+            leg.ended.add(out.index)
+            leg.answered = len(leg.ended) >= leg.finals
+            if out.finish_reason in (FinishReason.ABORT, FinishReason.ERROR) and leg.failure is None:
+                leg.failure = out
+        leg.sink(out)
 
-    @staticmethod
-    def _failed_output(leg: Leg, ev: TerminalEvent) -> StepOutput:
+    def _answer_failed(self, leg: Leg, ev: TerminalEvent) -> None:
+        """The room ended early: every choice still open gets the failure as its final output."""
         aborted = ev.phase == "aborted"
-        return StepOutput(leg.greq.rid, finish_reason=FinishReason.ABORT if aborted else FinishReason.ERROR,
-                          error=f"{ev.reason}: {ev.detail}" if ev.detail else ev.reason,
-                          prompt_tokens=len(leg.greq.prompt_ids))
+        out = StepOutput(leg.greq.rid, finish_reason=FinishReason.ABORT if aborted else FinishReason.ERROR,
+                         error=f"{ev.reason}: {ev.detail}" if ev.detail else ev.reason,
+                         prompt_tokens=len(leg.greq.prompt_ids))
+        for i in range(leg.finals):
+            self._answer(leg, replace(out, index=i))
 
     def _record_terminal(self, ev: TerminalEvent) -> None:
         outcome = {"done": "success", "aborted": "aborted"}.get(ev.phase, "failed")
@@ -133,7 +149,7 @@ class WorkerCore(EngineCore):
 
     def _observe_phase(self, phase: str, seconds: float) -> None:
         if self.metrics is not None:
-            self.metrics.phase_seconds.labels(self.role, phase).observe(seconds)
+            self.metrics.observe_phase(phase, seconds)
 
     # ---- the loop ------------------------------------------------------------------------
     def _engine_step(self) -> None:
@@ -186,10 +202,16 @@ class WorkerCore(EngineCore):
     def snapshot(self) -> Snapshot:
         now = self.clock.now()
         phases: dict[str, list[float]] = {p: [] for p in self.PHASES}
+        overdue: dict[str, int] = {}
         for r in self.side.lc.rooms.values():
-            phases.setdefault(phase_name(r.phase), []).append(now - r.created)
+            name = phase_name(r.phase)
+            phases.setdefault(name, []).append(now - r.created)
+            if r.deadline is not None and now >= r.deadline:   # the watchdog ends it within an iteration
+                overdue[name] = overdue.get(name, 0) + 1
         m = self.manager
-        return Snapshot(phases=phases, kv_pages_free=self.allocator.num_free, kv_pages_total=self.allocator.num_total,
+        running, waiting = (sum(len(phases.get(p, ())) for p in names)
+                            for names in (self.RUNNING_PHASES, self.QUEUED_PHASES))
+        return Snapshot(phases=phases, overdue=overdue, engine=self.engine_stats(running, waiting),
                         counters={"kvrelay_transfer_bytes": getattr(m, "bytes_written", 0),
                                   "kvrelay_transfer_seconds": getattr(m, "write_seconds", 0.0)},
                         gauges={"kvrelay_kv_pages_quarantined": sum(len(q.pages) for q in

@@ -17,13 +17,14 @@ from kvrelay.core.config import KVCacheConfig, SchedulerConfig
 from kvrelay.core.kvlayout import KVLayout
 from kvrelay.engine.allocator import PageAllocator
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
+from kvrelay.engine.grammar import GrammarCompiler
 from kvrelay.engine.kv_pool import KVPool
-from kvrelay.engine.request import Req, ReqStatus
+from kvrelay.engine.request import Req, ReqStatus, choice_params
 from kvrelay.engine.runner import ModelRunner, SeqChunk
-from kvrelay.engine.sampling import SampleResult, Sampler, SamplingState
-from kvrelay.engine.scheduler import PrefillItem, Scheduler, pages_for
-from kvrelay.engine.types import FinishReason, GenerateRequest, RequestRejected, StepOutput
-from kvrelay.obs.metrics import Snapshot, ServingMetrics
+from kvrelay.engine.sampling import SampleResult, Sampler, SamplingState, validate_params
+from kvrelay.engine.scheduler import PrefillItem, Scheduler, pages_for, pages_for_choices
+from kvrelay.engine.types import MAX_N, FinishReason, GenerateRequest, RequestRejected, StepOutput
+from kvrelay.obs.metrics import EngineStats, ServingMetrics, Snapshot
 
 log = logging.getLogger("kvrelay.engine")
 Sink = Callable[[StepOutput], None]
@@ -42,11 +43,15 @@ def num_pages_for(cfg: KVCacheConfig, layout: KVLayout) -> int:
 
 
 class EngineCore:
+    # Its requests come straight from clients (colocated): it reports their TTFT, inter-token
+    # latency, queue time and end-to-end latency. A worker core's client is the router.
+    CLIENT_TIMINGS = True
+
     def __init__(self, loaded, kv_cfg: KVCacheConfig, sched_cfg: SchedulerConfig,
                  clock: Clock | None = None, kv_buffer: memoryview | None = None,
                  metrics: ServingMetrics | None = None) -> None:
-        self.metrics = metrics
         self.loaded = loaded
+        self.metrics = metrics
         self.clock = clock or MonotonicClock()
         self.layout = kv_layout_for(loaded, kv_cfg.page_size)
         self.kv = KVPool(self.layout, num_pages_for(kv_cfg, self.layout), kv_buffer)
@@ -59,9 +64,26 @@ class EngineCore:
         # The engine thread detokenizes with its own copy: a Rust tokenizer must not be
         # used from two threads at once, and the server encodes on its event loop.
         self._tokenizer = copy.deepcopy(loaded.tokenizer)
+        # Compiles in `validate` (the caller's thread, where loaded.tokenizer is used) and
+        # hands the engine thread copies of the compiled matchers.
+        self.grammars = GrammarCompiler(loaded.tokenizer, loaded.arch.vocab_size, loaded.eos_token_ids)
         self._sinks: dict[str, Sink] = {}
         self._reqs: dict[str, Req] = {}
         self.last_prefill: tuple[int, float] | None = None  # (prompt tokens, seconds) of the latest prefill step
+        self.prompt_tokens_done = 0    # prompts prefilled here, once per request (metrics)
+        self.tokens_sampled = 0        # tokens sampled here (metrics)
+        self._last_token_at: dict[str, float] = {}   # rid -> when its latest token went out (CLIENT_TIMINGS)
+
+    @property
+    def metrics(self) -> ServingMetrics | None:
+        return self._metrics
+
+    @metrics.setter
+    def metrics(self, metrics: ServingMetrics | None) -> None:
+        """Every series reported through `metrics` carries this model's served name."""
+        if metrics is not None and not metrics.model_name:
+            metrics.model_name = self.loaded.name
+        self._metrics = metrics
 
     @property
     def capacity_tokens(self) -> int:
@@ -74,6 +96,7 @@ class EngineCore:
         if n == 0:
             raise RequestRejected("the prompt is empty", param="prompt")
         vocab = self.loaded.arch.vocab_size
+        validate_params(params, vocab)   # logit_bias ids must index the logits
         bad = next((t for t in greq.prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestRejected(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
@@ -85,37 +108,83 @@ class EngineCore:
             raise RequestRejected(
                 f"prompt ({n}) + max_tokens ({params.max_tokens}) needs more KV than the whole pool holds "
                 f"({self.capacity_tokens} tokens); lower max_tokens or raise --max-kv-tokens", param="max_tokens")
+        self._validate_n(n, params)
+        if params.grammar is not None:
+            self.grammars.compile(params.grammar)   # cached; a bad grammar raises here
+
+    def _validate_n(self, prompt_len: int, params) -> None:
+        if not 1 <= params.n <= min(MAX_N, self.scheduler.config.max_running_requests):
+            raise RequestRejected(f"n must be in [1, {MAX_N}] and at most --max-running-requests "
+                                  f"({self.scheduler.config.max_running_requests}); got {params.n}", param="n")
+        need = pages_for_choices(prompt_len, params.max_tokens, params.n, self.layout.page_size)
+        if need > self.kv.num_pages:
+            raise RequestRejected(
+                f"n={params.n} choices of prompt ({prompt_len}) + max_tokens ({params.max_tokens}) need {need} KV "
+                f"pages, more than the whole pool holds ({self.kv.num_pages}); lower n or max_tokens", param="n")
+
+    def final_outputs(self, greq: GenerateRequest) -> int:
+        """How many final outputs `greq`'s sink gets: one per choice."""
+        return greq.params.n
 
     def add(self, greq: GenerateRequest, sink: Sink, prefill_only: bool = False) -> None:
         """Queue a request. `prefill_only`: it ends right after its first token, and
         `_handoff` sees it before its pages are freed (the prefill worker)."""
         self.scheduler.add(self._new_req(greq, sink, prefill_only))
 
-    def add_prefilled(self, greq: GenerateRequest, sink: Sink, pages: list[int], first: SampleResult) -> None:
+    def add_prefilled(self, greq: GenerateRequest, sink: Sink, pages: list[int], firsts: list[SampleResult]) -> None:
         """A request whose prompt KV is already in `pages` (owned by `greq.rid` in the
-        allocator) and whose first token was sampled elsewhere: it joins the running batch,
-        and `first` is emitted as its first output (the decode worker)."""
+        allocator) and whose first tokens were sampled elsewhere, one per choice: it joins
+        the running batch (forked into its n choices), and `firsts[i]` is emitted as choice
+        i's first output (the decode worker)."""
         req = self._new_req(greq, sink)
         req.pages, req.num_computed = list(pages), req.prompt_len
         self.scheduler.add_running(req)
-        self._emit(req, self._append_token(req, first))
+        for choice, first in zip(self._fork(req), firsts, strict=True):
+            self._emit(choice, self._append_token(choice, first))
 
     def _new_req(self, greq: GenerateRequest, sink: Sink, prefill_only: bool = False) -> Req:
         self.validate(greq)
         if greq.rid in self._reqs:
             raise RequestRejected(f"request id {greq.rid} is already live", param="rid")
-        req = Req(greq.rid, list(greq.prompt_ids), greq.params, arrival=self.clock.now(), prefill_only=prefill_only)
-        req.sampling = SamplingState(greq.params, req.prompt_ids)
-        req.detok = IncrementalDetokenizer(self._tokenizer, req.prompt_ids, greq.params.stop)
+        req = self._make_req(greq.rid, greq.prompt_ids, greq.params, 0, prefill_only)
         self._reqs[req.rid] = req
         self._sinks[req.rid] = sink
         return req
 
+    def _make_req(self, rid: str, prompt_ids, request_params, index: int, prefill_only: bool) -> Req:
+        """The record of choice `index`: everything a choice samples, stops and detokenizes
+        with is built here, once per choice (`_fork` builds choices 1..n-1)."""
+        params = choice_params(request_params, index)
+        req = Req(rid, list(prompt_ids), params, arrival=self.clock.now(), prefill_only=prefill_only, index=index)
+        req.sampling = SamplingState(params, req.prompt_ids, eos_ids=self.eos_ids)   # min_tokens holds EOS back
+        req.detok = IncrementalDetokenizer(self._tokenizer, req.prompt_ids, params.stop)
+        if params.grammar is not None:
+            req.sampling.grammar = self.grammars.matcher(params.grammar)
+        return req
+
+    def _fork(self, req: Req) -> list[Req]:
+        """The choices that sample from the logits of `req`'s completed prefill: `req`
+        alone, or, the first time the prompt of a request of n > 1 choices is computed,
+        all n (choices 1..n-1 share choice 0's pages: `Scheduler.fork`)."""
+        if req.group is not None or req.index or req.params.n == 1:
+            return [req]
+        others = [self._make_req(req.rid, req.prompt_ids, req.params, i, req.prefill_only)
+                  for i in range(1, req.params.n)]
+        for c in others:
+            c.arrival = req.arrival
+        self.scheduler.fork(req, others)
+        req.group = [req, *others]
+        for c in others:
+            c.group = req.group
+        return req.group
+
     def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> None:
         req = self._reqs.get(rid)
         if req is not None:
-            self._finish(req, reason, error)
-            self._emit(req, StepOutput(rid))
+            for choice in req.choices:   # every choice; the request is done once all are
+                if not choice.finished:
+                    self._finish(choice, reason, error)
+                    self._emit(choice, StepOutput(rid))
 
     def live_rids(self) -> list[str]:
         """Every request this core still owes a final output (a worker core adds its legs)."""
@@ -157,6 +226,7 @@ class EngineCore:
                 self._run_prefill(batch.prefill)
                 self.last_prefill = (sum(i.length for i in batch.prefill), self.clock.now() - started)
             else:
+                self.kv.copy_pages(batch.copies)   # copy-on-write of shared pages, before anything writes
                 self._run_decode(batch.decode)
         except Exception as exc:  # a failed forward ends its batch, never the loop
             log.exception("forward pass failed")
@@ -165,10 +235,11 @@ class EngineCore:
                 self.abort(req.rid, FinishReason.ERROR, f"internal_error: {exc}")
 
     def _run_prefill(self, items: list[PrefillItem]) -> None:
+        self._count_prefill(items)
         chunks = [SeqChunk(i.req.tokens(i.start, i.start + i.length), i.start, i.req.pages) for i in items]
         logits = self.runner.prefill(chunks)
         self.scheduler.on_prefill_done(items)
-        done = [(row, i.req) for row, i in enumerate(items) if i.completes]
+        done = [(row, c) for row, i in enumerate(items) if i.completes for c in self._fork(i.req)]
         if done:
             rows = torch.tensor([r for r, _ in done])
             self._sample_and_emit([req for _, req in done], logits.index_select(0, rows))
@@ -181,19 +252,26 @@ class EngineCore:
 
     def _sample_and_emit(self, reqs: list[Req], logits: torch.Tensor) -> None:
         results = self.sampler.sample(logits, [r.sampling for r in reqs])
+        self.tokens_sampled += len(reqs)
         for req, res in zip(reqs, results):
-            self._emit(req, self._append_token(req, res))
+            if not req.finished:   # a choice that its sibling's end aborted (a worker's sink) takes no token
+                self._emit(req, self._append_token(req, res))
 
     def _append_token(self, req: Req, res) -> StepOutput:
         tok = res.token_id
         req.output_ids.append(tok)
         req.sampling.append(tok)
         out = StepOutput(req.rid, token_ids=[tok], logprobs=[res.logprob] if res.logprob else [])
-        text, stopped = req.detok.add([tok])
+        text, stopped = req.detok.add([tok], armed=len(req.output_ids) >= req.params.min_tokens)
         out.text = text
         p = req.params
+        grammar = req.sampling.grammar
+        if grammar is not None and grammar.error:   # a token its grammar refused: never sampled here
+            self._finish(req, FinishReason.ERROR, f"internal_error: the grammar refused token {tok}: {grammar.error}")
+            return out
         reason = None
-        if stopped or (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+        if stopped or (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids \
+                or (grammar is not None and grammar.stopped):   # the grammar is complete
             reason = FinishReason.STOP
         elif len(req.output_ids) >= p.max_tokens or req.seq_len >= self.max_model_len or req.prefill_only:
             reason = FinishReason.LENGTH
@@ -207,38 +285,67 @@ class EngineCore:
 
     def _handoff(self, req: Req, first: SampleResult) -> None:
         """A prefill-only request has its first token; its pages are freed right after this
-        returns unless an override takes them over (`allocator.transfer`)."""
+        returns unless an override takes them over (`allocator.transfer`). A request of n
+        choices calls it once per choice, in index order, within one step; only choice 0
+        holds the pages under the rid (the others hold shared references)."""
 
     def _finish(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
         self.scheduler.finish(req, reason, error)
 
     def _emit(self, req: Req, out: StepOutput) -> None:
+        if out.token_ids and self.metrics and self.CLIENT_TIMINGS and req.index == 0:   # choices advance together
+            self._observe_token(req)
         if out.token_ids and req.first_token_at is None:
             req.first_token_at = self.clock.now()
-            if self.metrics:
-                self.metrics.ttft.labels(self.metrics.role).observe(req.first_token_at - req.arrival)
         if req.status == ReqStatus.FINISHED and self.metrics:
             self._record_finish(req)
+        out.index = req.index
         out.prompt_tokens = req.prompt_len
         out.completion_tokens = len(req.output_ids)
         if req.status == ReqStatus.FINISHED:
             out.finish_reason, out.error = req.finish_reason, req.error
+        if req.status == ReqStatus.FINISHED and all(c.finished for c in req.choices):
             self._reqs.pop(req.rid, None)
+            self._last_token_at.pop(req.rid, None)
             sink = self._sinks.pop(req.rid, None)
         else:
             sink = self._sinks.get(req.rid)
         if sink is not None:
             sink(out)
+            if out.finished and req.group is None:   # ended before the fork: its other choices end with it
+                for i in range(1, req.params.n):
+                    sink(StepOutput(req.rid, index=i, prompt_tokens=out.prompt_tokens,
+                                    finish_reason=out.finish_reason, error=out.error))
+
+    def _count_prefill(self, items: list[PrefillItem]) -> None:
+        """A prompt counts once, when its prefill completes (not again when a preempted request
+        recomputes); a client's request has queued until its first chunk runs."""
+        now = self.clock.now()
+        for i in items:
+            if i.completes and not i.req.output_ids:
+                self.prompt_tokens_done += i.req.prompt_len
+            if i.start == 0 and not i.req.num_preemptions and self.metrics and self.CLIENT_TIMINGS:
+                self.metrics.observe_queue(now - i.req.arrival)
+
+    def _observe_token(self, req: Req) -> None:
+        now, last = self.clock.now(), self._last_token_at.get(req.rid)
+        if req.first_token_at is None:
+            self.metrics.observe_ttft(now - req.arrival)
+        elif last is not None:
+            self.metrics.observe_itl(now - last)
+        self._last_token_at[req.rid] = now
 
     def _record_finish(self, req: Req) -> None:
         m = self.metrics
         if req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and req.first_token_at is not None \
                 and len(req.output_ids) > 1:
-            m.tpot.labels(m.role).observe((self.clock.now() - req.first_token_at) / (len(req.output_ids) - 1))
-        self._record_outcome(req)
+            m.observe_tpot((self.clock.now() - req.first_token_at) / (len(req.output_ids) - 1))
+        if all(c.finished for c in req.choices):   # once per request, when its last choice ends
+            self._record_outcome(req)
 
     def _record_outcome(self, req: Req) -> None:
         m, reason = self.metrics, req.finish_reason
+        m.observe_e2e(self.clock.now() - req.arrival)
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             m.record_finish("success", reason.value)
         elif reason == FinishReason.ABORT:
@@ -249,16 +356,21 @@ class EngineCore:
     # -- observability ---------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
         now = self.clock.now()
-        return Snapshot(phases={"waiting": [now - r.arrival for r in self.scheduler.waiting],
-                                "running": [now - r.arrival for r in self.scheduler.running]},
-                        kv_pages_free=self.allocator.num_free, kv_pages_total=self.allocator.num_total)
+        waiting, running = self.scheduler.waiting, self.scheduler.running
+        return Snapshot(phases={"waiting": [now - r.arrival for r in waiting],
+                                "running": [now - r.arrival for r in running]},
+                        engine=self.engine_stats(len(running), len(waiting)))
+
+    def engine_stats(self, running: int, waiting: int) -> EngineStats:
+        return EngineStats(running, waiting, self.allocator.num_free, self.allocator.num_total,
+                           self.scheduler.num_preemptions, self.prompt_tokens_done, self.tokens_sampled)
 
     def debug_rows(self) -> list[dict]:
         now = self.clock.now()
         rows = []
         for phase, reqs in (("waiting", self.scheduler.waiting), ("running", self.scheduler.running)):
             for r in reqs:
-                rows.append({"id": r.rid, "phase": phase, "age_s": round(now - r.arrival, 3),
+                rows.append({"id": r.rid, "index": r.index, "phase": phase, "age_s": round(now - r.arrival, 3),
                              "prompt_tokens": r.prompt_len, "output_tokens": len(r.output_ids),
                              "pages": len(r.pages), "preemptions": r.num_preemptions})
         return rows
@@ -269,5 +381,6 @@ class EngineCore:
         self.allocator.check_integrity()
         assert self.scheduler.num_requests == 0, f"{self.scheduler.num_requests} requests still queued"
         assert not self._reqs and not self._sinks, f"live request records: {list(self._reqs)}"
+        assert not self._last_token_at, f"token times kept for {list(self._last_token_at)}"
         assert self.allocator.num_free == self.allocator.num_total, (
             f"free pages {self.allocator.num_free} != total {self.allocator.num_total}")

@@ -47,14 +47,21 @@ class IncrementalDetokenizer:
     def stopped(self) -> bool:
         return self.matched_stop is not None
 
-    def add(self, token_ids: list[int]) -> tuple[str, bool]:
+    def add(self, token_ids: list[int], armed: bool = True) -> tuple[str, bool]:
         """Feed new tokens; returns (newly final text, whether a stop string was hit).
-        After a stop every call returns ("", True)."""
+        After a stop every call returns ("", True). `armed` False (the request has not yet
+        generated `min_tokens`): no stop string is looked for and nothing is held back, so a
+        stop string counts only within text decoded once the stops are armed (vLLM's rule)."""
         if self.stopped:
             return "", True
         for tid in token_ids:
             self._ids.append(tid)
             self._pending += self._decode_step()
+        if not armed:
+            out, self._pending = self._pending, ""
+            if out:
+                self._emitted.append(out)
+            return out, False
         return self._release(final=False)
 
     def flush(self) -> str:

@@ -152,6 +152,7 @@ class AsyncEngine(EngineClient):
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
         added: concurrent.futures.Future = concurrent.futures.Future()
+        left = self.core.final_outputs(request)   # one final output per choice
         finished = False
         try:
             # Inside the try: a consumer cancelled while the add is in flight still aborts
@@ -160,7 +161,8 @@ class AsyncEngine(EngineClient):
             await asyncio.wrap_future(added)
             while not finished:
                 out = await outputs.get()
-                finished = out.finished
+                left -= out.finished
+                finished = left == 0
                 yield out
         finally:
             if not finished:

@@ -68,7 +68,7 @@ class KVPool:
     def gather(self, layer: int, row_ids: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer` at `row_ids` (from `row_ids()`), each [H, batch, pages * S, D]:
         head-major, so attention batches over (head, sequence) without another copy."""
-        H, S, D = self.layout.num_kv_heads, self.layout.page_size, self.layout.head_dim
+        H, D = self.layout.num_kv_heads, self.layout.head_dim
         k_rows = row_ids + layer * 2 * H
         shape = (H, batch, -1, D)
         return (self._rows.index_select(0, k_rows).view(shape),
@@ -81,6 +81,16 @@ class KVPool:
     def read_pages(self, page_ids: list[int]) -> bytes:
         idx = torch.tensor(page_ids, dtype=torch.long)
         return self._bytes.view(self.num_pages, self.page_bytes).index_select(0, idx).numpy().tobytes()
+
+    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) page, every layer's K and V (copy-on-write of a
+        shared page). All sources are read before any destination is written."""
+        if not pairs:
+            return
+        pages = self._bytes.view(self.num_pages, self.page_bytes)
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
+        pages.index_copy_(0, dst, pages.index_select(0, src))
 
     def write_pages(self, page_ids: list[int], data: bytes | memoryview) -> None:
         expected = len(page_ids) * self.page_bytes

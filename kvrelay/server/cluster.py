@@ -9,15 +9,19 @@ Invariants:
 - The cluster always has a key (see `server.security`): --cluster-key-file or
   KVRELAY_CLUSTER_KEY, else one made for this run. Children get it as the file's path or
   in their environment, never on their command line; the router uses the same key.
+- Fixed ports (`startup.worker_ports`): prefill worker i on --worker-base-port + i, decode
+  worker j on base + --num-prefill + j (base: --port + 1 by default). Every one of them is
+  checked free before anything loads; a taken one ends start-up with one line naming it.
 """
 from __future__ import annotations
 
 import asyncio
 import ctypes
 import dataclasses
+import json
+import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,28 +34,24 @@ from kvrelay.core.clock import MonotonicClock
 from kvrelay.core.config import KVRelayConfig, SecurityConfig, to_cli_args
 from kvrelay.core.keys import ENV as KEY_ENV
 from kvrelay.core.keys import ClusterKey
-from kvrelay.obs.logs import setup_logging
+from kvrelay.obs.logs import json_line, setup_logging
 from kvrelay.server.errors import StartupError
 from kvrelay.server.pairing import WorkerTable
 from kvrelay.server.router import RouterClient, router_tokenizer, run_router
 from kvrelay.server.security import api_gate, auth_headers, check_tls, load_cluster_key
-from kvrelay.server.startup import serving_url, stop_on_sigterm
+from kvrelay.server.startup import (WORKER_HOST, check_worker_ports, release_ports, serving_url,
+                                    stop_on_sigterm, worker_ports)
 
 STOP_GRACE = 15.0
 TAIL_LINES = 30
 READY_POLL = 0.25
-WORKER_HOST = "127.0.0.1"
+PROGRESS_EVERY = 10.0   # seconds between "still waiting" lines while workers load
 # Config sections forwarded to every worker as flags (server: with the worker's own port).
 WORKER_SECTIONS = ("model", "kv", "scheduler", "lifecycle", "transfer")
 PR_SET_PDEATHSIG = 1
 
 _stderr_lock = threading.Lock()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((WORKER_HOST, 0))
-        return s.getsockname()[1]
+log = logging.getLogger("kvrelay.serve")
 
 
 def _die_with_parent():
@@ -102,13 +102,15 @@ def worker_env(key: ClusterKey, sec: SecurityConfig, threads: int) -> dict[str, 
 
 class WorkerProcess:
     """One child worker: the process, the thread that forwards its output to our stderr
-    with a `[prefill-0] ` prefix, and the last lines it printed."""
+    (text logs: each line after a `[prefill-0] ` prefix; json: with a "worker" field), and
+    the last lines it printed."""
 
-    def __init__(self, role: str, index: int, ordinal: int, config: KVRelayConfig, threads: int,
+    def __init__(self, role: str, index: int, ordinal: int, port: int, config: KVRelayConfig, threads: int,
                  key: ClusterKey) -> None:
         self.role, self.index = role, index
-        self.port = _free_port()
+        self.port = port
         self.url = f"http://{WORKER_HOST}:{self.port}"
+        self.json_logs = config.server.log_format == "json"
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         env = worker_env(key, config.security, threads)
         self.proc = subprocess.Popen(worker_argv(config, role, self.port, ordinal), stdin=subprocess.DEVNULL,
@@ -124,12 +126,13 @@ class WorkerProcess:
         self._reader.start()
 
     def _forward(self) -> None:
-        prefix = f"[{self.role}-{self.index}] "
+        tag = f"{self.role}-{self.index}"
         for raw in self.proc.stdout:
             line = raw.decode(errors="replace").rstrip("\n")
             self.tail.append(line)
+            out = _json_forwarded(line, tag) if self.json_logs else f"[{tag}] {line}"
             with _stderr_lock:
-                sys.stderr.write(prefix + line + "\n")
+                sys.stderr.write(out + "\n")
                 sys.stderr.flush()
 
     def last_error(self) -> str:
@@ -152,6 +155,18 @@ class WorkerProcess:
         self._reader.join(timeout=2)
 
 
+def _json_forwarded(line: str, worker: str) -> str:
+    """A child's line in the json log format, marked with the worker it came from: its
+    log records as they are, its plain lines (start-up line, errors) as messages."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict):
+        return json.dumps({**obj, "worker": worker}, ensure_ascii=False)
+    return json_line(line, "kvrelay.serve", worker=worker)
+
+
 class LocalCluster:
     """The child workers of `kvrelay serve`, all under cluster key `key`."""
 
@@ -159,12 +174,14 @@ class LocalCluster:
         self.config, self.key = config, key
         self.workers: list[WorkerProcess] = []
 
-    def start(self) -> None:
+    def start(self, ports: list[int]) -> None:
+        """Start one child per port of `worker_ports`."""
         cl = self.config.cluster
         threads = cl.worker_threads or max(1, (os.cpu_count() or 1) // (cl.num_prefill + cl.num_decode))
         for role, count in (("prefill", cl.num_prefill), ("decode", cl.num_decode)):
             for i in range(count):
-                self.workers.append(WorkerProcess(role, i, len(self.workers), self.config, threads, self.key))
+                n = len(self.workers)
+                self.workers.append(WorkerProcess(role, i, n, ports[n], self.config, threads, self.key))
         # Readers start after every fork: forking while threads run risks a child inheriting a held lock.
         for w in self.workers:
             w.start_forwarding()
@@ -176,7 +193,8 @@ class LocalCluster:
         """Until every worker's /health answers 200. Raises StartupError if one exits or
         --startup-timeout passes."""
         timeout = self.config.cluster.startup_timeout
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline, next_note = start + timeout, start + PROGRESS_EVERY
         pending = list(self.workers)
         with httpx.Client(timeout=2.0, headers=auth_headers(self.key)) as http:
             while pending:
@@ -186,9 +204,17 @@ class LocalCluster:
                         raise StartupError(f"{w.name} exited with code {code}: {w.last_error()}")
                     if _healthy(http, w.url):
                         pending.remove(w)
-                if pending and time.monotonic() > deadline:
+                        log.info("worker ready", extra={"worker": f"{w.role}-{w.index}", "url": w.url,
+                                                        "seconds": round(time.monotonic() - start, 1)})
+                now = time.monotonic()
+                if pending and now > deadline:
                     raise StartupError(f"{pending[0].name} was not ready after {timeout:g} s (--startup-timeout); "
                                        f"its last line: {pending[0].last_error()}")
+                if pending and now >= next_note:
+                    next_note = now + PROGRESS_EVERY
+                    log.info("waiting for workers", extra={
+                        "pending": ",".join(f"{w.role}-{w.index}" for w in pending),
+                        "seconds": round(now - start, 1)})
                 if pending:
                     time.sleep(READY_POLL)
 
@@ -220,13 +246,18 @@ def serve_cluster(config: KVRelayConfig) -> None:
     --host/--port until SIGINT/SIGTERM, then stop every worker. Raises StartupError."""
     setup_logging(config.server.log_level)
     stop_on_sigterm()
-    # A bad --model, key or TLS file fails here, before any child starts.
+    # A port in use, a bad --model, key or TLS file fails here, before any child starts.
+    ports = worker_ports(config)
+    check_worker_ports(config, ports)
     key, gate = load_cluster_key(config.security) or ClusterKey.generate(), api_gate(config.security)
     check_tls(config.security)
     tokenizer = router_tokenizer(config.model)
     cluster = LocalCluster(config, key)
     try:
-        cluster.start()
+        cluster.start(ports)
+        log.info("starting workers", extra={
+            "model": config.model.model, "workers": ",".join(f"{w.role}-{w.index}@{w.port}" for w in cluster.workers),
+            "transfer": config.transfer.transfer_backend})
         cluster.wait_ready()
         table = WorkerTable(cluster.urls("prefill"), cluster.urls("decode"), MonotonicClock())
         srv, cl = config.server, config.cluster
@@ -238,4 +269,5 @@ def serve_cluster(config: KVRelayConfig) -> None:
 
         asyncio.run(run_router(config, table, tokenizer, banner, key=key, gate=gate))
     finally:
+        release_ports()   # the router's port refuses at once while the workers drain
         cluster.stop()

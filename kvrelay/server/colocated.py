@@ -14,15 +14,16 @@ from kvrelay.server.startup import load_with_progress, run_uvicorn, serving_url,
 PHASES = ("waiting", "running")
 
 
-def colocated_app(engine: AsyncEngine, gate: Gate | None = None):
-    """The API of one engine, with /metrics and /debug/requests, behind `gate`."""
+def colocated_app(engine: AsyncEngine, gate: Gate | None = None, allowed_origins: tuple[str, ...] = ()):
+    """The API of one engine, with /metrics and /debug/requests, behind `gate`; CORS for `allowed_origins`."""
     metrics = ServingMetrics("colocated", PHASES, lambda: engine.call(lambda core: core.snapshot(), timeout=10))
     engine.core.metrics = metrics  # set before the first request is served
 
     async def debug_rows() -> list[dict]:
         return await engine.acall(lambda core: core.debug_rows())
 
-    return build_openai_app(engine, extra_routes=[observability_router(metrics, debug_rows)], gate=gate)
+    return build_openai_app(engine, extra_routes=[observability_router(metrics, debug_rows)], gate=gate,
+                            allowed_origins=allowed_origins)
 
 
 def serve_colocated(config: KVRelayConfig) -> None:
@@ -34,7 +35,7 @@ def serve_colocated(config: KVRelayConfig) -> None:
         return EngineCore(load_with_progress(load_model, config.model), config.kv, config.scheduler)
 
     engine = AsyncEngine(build_core)
-    app = colocated_app(engine, gate)
+    app = colocated_app(engine, gate, config.server.allowed_origins)
     srv = config.server
     print(startup_line("colocated", engine.core.loaded, engine.core.capacity_tokens,
                        serving_url(srv, config.security)), flush=True)

@@ -45,6 +45,8 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_
 # request is a 504. Only a bug in kvrelay (`internal_error`, or a code this table does
 # not know) is a 500. docs/operations.md documents the same table.
 RETRY_AFTER_S = 1
+# Where `http_headers.RequestId` keeps the request's id in the ASGI scope (echoed on a 500 too).
+REQUEST_ID_SCOPE = "kvrelay.request_id"
 _REASON_STATUS = {"invalid_request": 400, "context_length_exceeded": 400,
                   "overloaded": 503, "no_healthy_worker": 503, "peer_failed": 503, "transfer_error": 503,
                   "aborted": 503, "timeout:request": 504, "timeout:decode": 504, "internal_error": 500}
@@ -178,6 +180,8 @@ def from_validation(exc: RequestValidationError) -> OpenAIError:
                        f"{first.get('ctx', {}).get('error', 'invalid JSON')}", None, "invalid_json")
     loc = tuple(first.get("loc", ()))
     param = _param_of(loc)
+    if first.get("type") == "extra_forbidden":   # OpenAI's words for a field it does not know
+        return invalid(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
     if param is None and first.get("type") in ("missing", "model_attributes_type"):
         return invalid("The request body is missing or is not a JSON object.", None, "invalid_body")
     # A union field fails once per member; say all of them, once each.
@@ -262,6 +266,8 @@ def install_handlers(app: FastAPI, max_body_bytes: int = MAX_BODY_BYTES) -> None
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        # Starlette logs and re-raises after this response is sent; the server goes on.
+        # Starlette logs and re-raises after this response is sent; the server goes on. This
+        # response leaves outside every middleware, so it echoes the request id itself.
+        rid = request.scope.get(REQUEST_ID_SCOPE)
         return error_response(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}",
-                                          None, "internal_error"))
+                                          None, "internal_error", {"X-Request-Id": rid} if rid else None))

@@ -1,26 +1,38 @@
-"""`/metrics` (Prometheus) and `/debug/requests` routes, shared by every serving mode."""
+"""`/metrics` (Prometheus), `/metrics/workers` (the router's re-export of its workers'
+series) and `/debug/requests` routes, shared by every serving mode."""
 from __future__ import annotations
 
 import asyncio
 from typing import Awaitable, Callable
 
+import httpx
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
+from prometheus_client.core import GaugeMetricFamily
 
-from kvrelay.obs.metrics import CONTENT_TYPE, ServingMetrics
+from kvrelay.obs.metrics import CONTENT_TYPE, ServingMetrics, parse_families, render_families
+
+WORKERS_PATH = "/metrics/workers"
 
 
 def observability_router(metrics: ServingMetrics,
-                         debug_view: Callable[[], Awaitable[list[dict] | dict]]) -> APIRouter:
+                         debug_view: Callable[[], Awaitable[list[dict] | dict]],
+                         worker_metrics: Callable[[], Awaitable[bytes]] | None = None) -> APIRouter:
     """`/debug/requests` answers {"role", "count", "requests": rows, ...}. `debug_view`
     returns the rows of the live requests, or a dict holding them under "requests" beside
-    further keys (a worker's "phases", the router's "workers"), which are passed on."""
+    further keys (a worker's "phases", the router's "workers"), which are passed on.
+    `worker_metrics` (the router): serve its exposition at WORKERS_PATH."""
     router = APIRouter()
 
     @router.get("/metrics")
     async def prometheus() -> Response:
         # Rendering reads live state (possibly waiting for a scheduler step): off the event loop.
         return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
+
+    if worker_metrics is not None:
+        @router.get(WORKERS_PATH)
+        async def workers() -> Response:
+            return Response(await worker_metrics(), media_type=CONTENT_TYPE)
 
     @router.get("/debug/requests")
     async def requests() -> JSONResponse:
@@ -29,3 +41,35 @@ def observability_router(metrics: ServingMetrics,
         return JSONResponse({"role": metrics.role, "count": len(body["requests"]), **body})
 
     return router
+
+
+async def scrape_workers(client: httpx.AsyncClient, targets: list[tuple[str, str]], timeout: float) -> bytes:
+    """Every worker's /metrics, fetched now and at once (each within `timeout`), as one
+    exposition whose samples carry `worker` (its URL) and `role`; plus
+    `kvrelay_worker_scrape_ok{worker,role}`, 0 for a worker that did not answer in time
+    or answered something that is not the text format. Workers listen where the router
+    was told, so this is how one static scrape config reaches them all."""
+    async def fetch(url: str) -> str | None:
+        try:
+            resp = await client.get(f"{url}/metrics", timeout=timeout)
+            resp.raise_for_status()
+            return resp.text
+        except httpx.HTTPError:
+            return None
+
+    texts = await asyncio.gather(*(fetch(url) for url, _ in targets))
+    return await asyncio.to_thread(_exposition, targets, texts)
+
+
+def _exposition(targets: list[tuple[str, str]], texts: list[str | None]) -> bytes:
+    families = []
+    ok = GaugeMetricFamily("kvrelay_worker_scrape_ok", "1 if the worker's /metrics answered the router's last "
+                           "re-export scrape", labels=["worker", "role"])
+    for (url, role), text in zip(targets, texts):
+        try:
+            got = parse_families(text, {"worker": url, "role": role}) if text is not None else None
+        except ValueError:
+            got = None
+        ok.add_metric([url, role], float(got is not None))
+        families.extend(got or ())
+    return render_families([ok, *families])

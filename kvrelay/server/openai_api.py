@@ -1,41 +1,51 @@
 """The OpenAI-compatible HTTP API over any EngineClient (colocated or disaggregated).
 
 A request goes: validate (pydantic, then the checks that need the tokenizer or the
-context length) -> GenerateRequest -> RequestStream -> JSON or server-sent events.
+context length) -> GenerateRequest (one per prompt; each may ask for `n` choices) ->
+RequestStream (or a StreamGroup of them) -> JSON or server-sent events with one choice
+per (prompt, n) pair. The utility routes (/tokenize, /detokenize, /version) are in
+`utility_api`; X-Request-Id and CORS in `http_headers`.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-import uuid
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.routing import BaseRoute
 
 from kvrelay.engine.types import EngineClient, FinishReason, GenerateRequest, StepOutput
+from kvrelay.server import http_headers, structured
 from kvrelay.server.errors import (SafeJSONResponse, from_failed_output, install_handlers, invalid, is_text,
                                    model_not_found)
 from kvrelay.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                     ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
-                                     CompletionRequest, CompletionResponse, ModelCard, ModelList, Usage,
-                                     chat_logprobs, completion_logprobs, now)
+                                     ChatCompletionRequest, ChatCompletionResponse, ChatPromptFields,
+                                     CompletionChoice, CompletionRequest, CompletionResponse, ModelCard, ModelList,
+                                     Usage, chat_logprobs, completion_logprobs, now)
 from kvrelay.server.security import Gate, guard
-from kvrelay.server.sse import Collected, Renderer, RequestStream, abort_on_disconnect, collect, sse_events
+from kvrelay.server.sse import (Collected, Renderer, RequestStream, StreamGroup, abort_on_disconnect, collect,
+                                sse_events)
+from kvrelay.server.utility_api import utility_router
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def build_openai_app(client: EngineClient, *, extra_routes: Iterable[APIRouter | BaseRoute] | None = None,
-                     gate: Gate | None = None) -> FastAPI:
+                     gate: Gate | None = None, allowed_origins: Sequence[str] = ()) -> FastAPI:
     """The API app. `extra_routes` (routers or single routes: /metrics, /debug/requests,
     /abort, ...) are mounted beside the OpenAI routes. `gate`: the API keys and per-key
-    limit every route but /health and /metrics is behind (`security.api_gate`)."""
+    limit every route but /health and /metrics is behind (`security.api_gate`).
+    `allowed_origins`: CORS (`--allowed-origins`; none: no CORS headers)."""
     app = FastAPI(title="kvrelay", summary="OpenAI-compatible API of a kvrelay server")
     install_handlers(app)
     guard(app, gate)
-    app.include_router(OpenAIServing(client).router())
+    http_headers.install(app, allowed_origins)
+    serving = OpenAIServing(client)
+    app.include_router(serving.router())
+    app.include_router(utility_router(serving))
     for route in extra_routes or ():
         if isinstance(route, APIRouter):
             app.include_router(route)
@@ -64,6 +74,7 @@ class OpenAIServing:
         r = APIRouter()
         r.add_api_route("/health", self.health, methods=["GET"])
         r.add_api_route("/v1/models", self.models, methods=["GET"])
+        r.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
         r.add_api_route("/v1/completions", self.completions, methods=["POST"])
         r.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         return r
@@ -71,29 +82,46 @@ class OpenAIServing:
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
 
+    def _card(self) -> ModelCard:
+        return ModelCard(id=self.client.model_name, max_model_len=self.client.max_model_len)
+
     async def models(self) -> dict[str, Any]:
-        card = ModelCard(id=self.client.model_name, max_model_len=self.client.max_model_len)
-        return ModelList(data=[card]).model_dump(mode="json")
+        return ModelList(data=[self._card()]).model_dump(mode="json")
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        if model_id != self.client.model_name:
+            raise model_not_found(model_id)
+        return self._card().model_dump(mode="json")
 
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_common(body)
-        prompt = body.single_prompt()
-        ids = self._encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
-        max_tokens = self._max_tokens(body.max_tokens, len(ids), COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
-        greq = GenerateRequest(f"cmpl-{uuid.uuid4().hex}", tuple(ids), body.sampling_params(max_tokens, body.logprobs),
-                               whole=not body.stream)
-        render = CompletionRenderer(greq.rid, self.client.model_name, self.piece, body.logprobs is not None)
-        return await self._serve(greq, render, request, body.stream, body.include_usage)
+        rid = http_headers.request_rid("cmpl", request.scope)
+        grammar = structured.plan(body).grammar
+        prompts = body.prompts()
+        greqs, echoes = [], []
+        for i, prompt in enumerate(prompts):
+            ids = self.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
+            max_tokens = self._max_tokens(body.max_tokens, len(ids), COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+            greqs.append(GenerateRequest(rid if len(prompts) == 1 else f"{rid}-{i}", tuple(ids),
+                                         dataclasses.replace(body.sampling_params(max_tokens, body.logprobs),
+                                                             grammar=grammar), whole=not body.stream))
+            if body.echo:
+                echoes += [prompt if isinstance(prompt, str) else self.tok.decode(ids)] * body.n
+        render = CompletionRenderer(rid, self.client.model_name, self.piece, body.logprobs is not None,
+                                    len(prompts) * body.n, echoes or None)
+        return await self._serve(greqs, render, request, body.stream, body.include_usage, body.continuous_usage)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._check_common(body)
         logprobs = body.engine_logprobs()
-        ids = self._chat_prompt_ids(body)
+        plan = structured.plan(body)
+        ids = self.chat_prompt_ids(body)
         max_tokens = self._max_tokens(body.requested_max_tokens(), len(ids), None, "messages")
-        greq = GenerateRequest(f"chatcmpl-{uuid.uuid4().hex}", tuple(ids), body.sampling_params(max_tokens, logprobs),
+        greq = GenerateRequest(http_headers.request_rid("chatcmpl", request.scope), tuple(ids),
+                               dataclasses.replace(body.sampling_params(max_tokens, logprobs), grammar=plan.grammar),
                                whole=not body.stream)
-        render = ChatRenderer(greq.rid, self.client.model_name, self.piece, logprobs is not None)
-        return await self._serve(greq, render, request, body.stream, body.include_usage)
+        render = ChatRenderer(greq.rid, self.client.model_name, self.piece, logprobs is not None, body.n, plan.tools)
+        return await self._serve([greq], render, request, body.stream, body.include_usage, body.continuous_usage)
 
     # -- checks that pydantic cannot make --------------------------------------------------
     def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -101,18 +129,24 @@ class OpenAIServing:
             raise model_not_found(body.model)
         body.check_stream_options()
 
-    def _chat_prompt_ids(self, body: ChatCompletionRequest) -> list[int]:
+    def chat_prompt_ids(self, body: ChatPromptFields, add_special_tokens: bool | None = None) -> list[int]:
+        """The prompt of a chat request (or of POST /tokenize with messages)."""
         messages = [m.template_dict() for m in body.messages]
+        kwargs = body.template_kwargs()
+        messages, tool_kwargs = structured.prompt_inputs(body, messages, kwargs.get("chat_template")
+                                                         or getattr(self.tok, "chat_template", None))
         try:
-            text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tok.apply_chat_template(messages, tokenize=False, **{**kwargs, **tool_kwargs})
         except Exception as exc:  # the template rejected the conversation (roles out of order, ...)
             raise invalid(f"the chat template cannot render these messages: {exc}", "messages") from None
         # The rendered template already holds the special tokens it wants (BOS included
         # when the model uses one), so the tokenizer adds its own only if BOS is missing.
-        bos = getattr(self.tok, "bos_token", None)
-        return self._encode(text, "messages", add_special_tokens=not (bos and text.startswith(bos)))
+        if add_special_tokens is None:
+            bos = getattr(self.tok, "bos_token", None)
+            add_special_tokens = not (bos and text.startswith(bos))
+        return self.encode(text, "messages", add_special_tokens=add_special_tokens)
 
-    def _encode(self, text: object, param: str, **kwargs) -> list[int]:
+    def encode(self, text: object, param: str, **kwargs) -> list[int]:
         """Token ids of `text`. The models in protocol.py already refuse text that is not
         valid Unicode; this is the last check before the tokenizer (a rendered chat
         template holds more than the fields: whatever it holds must be text, too)."""
@@ -138,9 +172,10 @@ class OpenAIServing:
         return requested
 
     # -- running the request --------------------------------------------------------------
-    async def _serve(self, greq: GenerateRequest, render: Renderer, request: Request, stream: bool,
-                     include_usage: bool):
-        rs = RequestStream(self.client, greq)
+    async def _serve(self, greqs: list[GenerateRequest], render: Renderer, request: Request, stream: bool,
+                     include_usage: bool, continuous_usage: bool = False):
+        streams = [RequestStream(self.client, g) for g in greqs]
+        rs = streams[0] if len(streams) == 1 else StreamGroup(streams)
         if not stream:
             try:
                 async with abort_on_disconnect(request, rs):
@@ -156,7 +191,7 @@ class OpenAIServing:
                 first = await rs.first()
             if first.finish_reason is FinishReason.ERROR:
                 raise from_failed_output(first.error)
-            body = sse_events(rs, render, request, include_usage)
+            body = sse_events(rs, render, request, include_usage, continuous_usage)
             handed_over = True   # from here on, sse_events owns `rs` and closes it
             return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
         finally:
@@ -165,59 +200,84 @@ class OpenAIServing:
 
 
 class CompletionRenderer(Renderer):
-    def __init__(self, rid: str, model: str, piece: Callable[[int], str], logprobs: bool) -> None:
+    """`choices`: prompts x n. `echo`: each choice's prompt text, sent before its completion."""
+
+    def __init__(self, rid: str, model: str, piece: Callable[[int], str], logprobs: bool, choices: int = 1,
+                 echo: list[str] | None = None) -> None:
         self.rid, self.model, self.piece, self.logprobs = rid, model, piece, logprobs
         self.created = now()
-        self.offset = 0   # where the next streamed chunk's text starts in the completion
+        self.echo = echo or [""] * choices
+        self.offset = [len(e) for e in self.echo]   # where each choice's next streamed text starts
 
     def _wrap(self, choices: list[CompletionChoice], usage: Usage | None = None) -> dict[str, Any]:
         return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices,
                                   usage=usage).model_dump(mode="json")
 
     def head(self) -> list[dict[str, Any]]:
-        return []
+        return [self._wrap([CompletionChoice(index=i, text=e)]) for i, e in enumerate(self.echo) if e]
 
     def chunk(self, out: StepOutput) -> dict[str, Any] | None:
         if not (out.text or out.finished or (self.logprobs and out.logprobs)):
             return None
-        lps = completion_logprobs(out.logprobs, self.piece, self.offset) if self.logprobs else None
-        self.offset += len(out.text)
-        return self._wrap([CompletionChoice(text=out.text, logprobs=lps, finish_reason=_finish(out.finish_reason))])
+        lps = completion_logprobs(out.logprobs, self.piece, self.offset[out.index]) if self.logprobs else None
+        self.offset[out.index] += len(out.text)
+        return self._wrap([CompletionChoice(index=out.index, text=out.text, logprobs=lps,
+                                            finish_reason=_finish(out.finish_reason))])
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return self._wrap([], usage)
 
-    def response(self, got: Collected, usage: Usage) -> dict[str, Any]:
-        lps = completion_logprobs(got.logprobs, self.piece, 0) if self.logprobs else None
-        return self._wrap([CompletionChoice(text=got.text, logprobs=lps, finish_reason=_finish(got.finish_reason))],
-                          usage)
+    def response(self, got: dict[int, Collected], usage: Usage) -> dict[str, Any]:
+        choices = []
+        for i, c in sorted(got.items()):
+            lps = completion_logprobs(c.logprobs, self.piece, len(self.echo[i])) if self.logprobs else None
+            choices.append(CompletionChoice(index=i, text=self.echo[i] + c.text, logprobs=lps,
+                                            finish_reason=_finish(c.finish_reason)))
+        return self._wrap(choices, usage)
 
 
 class ChatRenderer(Renderer):
-    def __init__(self, rid: str, model: str, piece: Callable[[int], str], logprobs: bool) -> None:
+    """`tools`: the request's tool plan; its parser (one per choice) turns text into tool_calls."""
+
+    def __init__(self, rid: str, model: str, piece: Callable[[int], str], logprobs: bool, choices: int = 1,
+                 tools: structured.ToolPlan | None = None) -> None:
         self.rid, self.model, self.piece, self.logprobs = rid, model, piece, logprobs
+        self.choices = choices
         self.created = now()
+        self.tools = tools or structured.ToolPlan("none")
+        self.parsers = [self.tools.parser() for _ in range(choices)]
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> dict[str, Any]:
         return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=choices,
                                    usage=usage).model_dump(mode="json")
 
     def head(self) -> list[dict[str, Any]]:
-        return [self._chunk([ChatChunkChoice(delta={"role": "assistant", "content": ""})])]
+        heads = [self._chunk([ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})])
+                 for i in range(self.choices)]
+        return heads + [self._chunk([ChatChunkChoice(index=i, delta=d)])
+                        for i, p in enumerate(self.parsers) if p is not None and (d := p.head())]
 
     def chunk(self, out: StepOutput) -> dict[str, Any] | None:
-        if not (out.text or out.finished or (self.logprobs and out.logprobs)):
+        parser, finish = self.parsers[out.index], _finish(out.finish_reason)
+        if parser is None:
+            delta = {"content": out.text} if out.text else {}
+        else:
+            delta, finish = parser.step(out.text, out.finished), parser.finish_reason(finish)
+        if not (delta or out.finished or (self.logprobs and out.logprobs)):
             return None
         lps = chat_logprobs(out.logprobs, self.piece) if self.logprobs else None
-        delta = {"content": out.text} if out.text else {}
-        return self._chunk([ChatChunkChoice(delta=delta, logprobs=lps, finish_reason=_finish(out.finish_reason))])
+        return self._chunk([ChatChunkChoice(index=out.index, delta=delta, logprobs=lps, finish_reason=finish)])
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return self._chunk([], usage)
 
-    def response(self, got: Collected, usage: Usage) -> dict[str, Any]:
-        lps = chat_logprobs(got.logprobs, self.piece) if self.logprobs else None
-        choice = ChatChoice(message=AssistantMessage(content=got.text), logprobs=lps,
-                            finish_reason=_finish(got.finish_reason))
-        return ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[choice],
+    def response(self, got: dict[int, Collected], usage: Usage) -> dict[str, Any]:
+        choices = []
+        for i, c in sorted(got.items()):
+            parser, finish = self.tools.parser(), _finish(c.finish_reason)
+            content, calls = parser.message(c.text) if parser is not None else (c.text, None)
+            choices.append(ChatChoice(index=i, message=AssistantMessage(content=content, tool_calls=calls),
+                                      logprobs=chat_logprobs(c.logprobs, self.piece) if self.logprobs else None,
+                                      finish_reason=parser.finish_reason(finish) if parser is not None else finish))
+        return ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices,
                                       usage=usage).model_dump(mode="json")

@@ -10,6 +10,10 @@ Invariants:
   any output), one terminal log line, one `kvrelay_requests_finished` count.
 - A try that ends for any reason stops both of its legs (`Attempt.stop`): a leg that has
   not sent its final line has its stream closed and gets `POST /abort`.
+- A request of n > 1 choices goes to one pair as one try (P prefills and sends the KV
+  once, D decodes the n choices); D's outputs carry each choice's `index`, and the
+  request ends when each choice has had its final output. A failure ends every choice
+  that has not ended, each with its own final (error or abort) output.
 - A failed try is retried once on another pair, only while nothing has reached the
   client, and never for invalid requests, client aborts or an expired deadline. A
   request whose client sees only the final output (`GenerateRequest.whole`) has nothing
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable, Coroutine
 
 import uvicorn
@@ -33,17 +37,17 @@ from kvrelay.core import ids, mutation
 from kvrelay.core.clock import Clock, MonotonicClock
 from kvrelay.core.config import KVRelayConfig, ModelOptions, RouterConfig
 from kvrelay.core.keys import ClusterKey
-from kvrelay.engine.types import EngineClient, FinishReason, GenerateRequest, RequestRejected, StepOutput
+from kvrelay.engine.types import MAX_N, EngineClient, FinishReason, GenerateRequest, RequestRejected, StepOutput
 from kvrelay.obs.logs import setup_logging
 from kvrelay.obs.metrics import ServingMetrics, Snapshot
 from kvrelay.server.errors import OpenAIError, StartupError, retry_headers
-from kvrelay.server.observe import observability_router
+from kvrelay.server.observe import WORKERS_PATH, observability_router, scrape_workers
 from kvrelay.server.openai_api import build_openai_app
 from kvrelay.server.pairing import NoPair, Pair, WorkerTable
 from kvrelay.server.security import Gate, api_gate, auth_headers, check_tls, load_cluster_key, worker_verify
-from kvrelay.server.startup import serving_url, stop_on_sigterm, uvicorn_options
-from kvrelay.server.worker_client import (ABORT_TIMEOUT, PEER_FAILED, LegFailure, WorkerAPI, WorkerMonitor,
-                                          failure_of)
+from kvrelay.server.startup import access_logged, serving_url, stop_on_sigterm, uvicorn_options
+from kvrelay.server.worker_client import (ABORT_TIMEOUT, PEER_FAILED, LegFailure, LegLines, WorkerAPI,
+                                          WorkerMonitor, failure_of)
 from kvrelay.server.worker_protocol import LegRequest, WireSampling
 
 log = logging.getLogger("kvrelay.router")
@@ -87,9 +91,11 @@ class Attempt:
         return task
 
     async def _run(self, side: str, url: str, leg: LegRequest) -> None:
+        lines = LegLines(leg)
         try:
             async for out in self.api.generate(url, leg):
-                if out.finished:
+                lines.take(out)
+                if lines.done:
                     self._final.add(side)
                 self.events.put_nowait(Event(side, out=out))
         except LegFailure as exc:
@@ -150,8 +156,12 @@ class Routed:
     attempt: int = 0
     current: Attempt | None = None
     yielded: int = 0                      # outputs handed to the consumer (nothing: a retry is invisible)
-    tokens: int = 0
+    tokens: int = 0                       # of every choice
+    n: int = 1                            # choices
+    counts: dict[int, int] = field(default_factory=dict)   # tokens per choice (of the current try)
+    ended: set[int] = field(default_factory=set)           # choices whose final output went to the consumer
     first_token_at: float | None = None   # of the current try (TTFT is observed on the first)
+    last_token_at: float | None = None    # of choice 0 in the current try (inter-token latency)
     aborted: bool = False                 # by the client
     outcome: tuple[str, str] = ("aborted", "aborted")   # (outcome, reason); a consumer that leaves early aborted
 
@@ -170,9 +180,9 @@ class RouterClient(EngineClient):
         self._tokenizer = tokenizer
         self.model_name, self.max_model_len = model_name, max_model_len
         self.clock = clock or MonotonicClock()
-        self.metrics = ServingMetrics("router", PHASES, self.snapshot)
+        self.metrics = ServingMetrics("router", PHASES, self.snapshot, model_name=model_name)
         self._live: dict[str, Routed] = {}
-        self._background: set[asyncio.Task] = set()
+        self._background: dict[asyncio.Task, None] = {}   # insertion-ordered, not by id(): replayable
         monitor.on_dead = self.worker_dead
 
     def tokenizer(self):
@@ -182,27 +192,33 @@ class RouterClient(EngineClient):
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
         routed = self._admit(request)
         try:
+            if not 1 <= request.params.n <= MAX_N:   # the workers refuse more (their pools, their batches)
+                raise RequestRejected(f"n must be in [1, {MAX_N}]; got {request.params.n}", param="n")
             pair = self._first_pair()
             while True:
                 attempt = self._dispatch(routed, request, pair)
-                held: list[StepOutput] = []   # a whole request's outputs, until its final one
+                held: dict[int, list[StepOutput]] = {}   # a whole request's outputs per choice, until its final one
                 try:
                     while True:
                         out = await self._next_output(routed, attempt)
                         self._note(routed, out)
                         if request.whole and not out.finished:
-                            held.append(out)
+                            held.setdefault(out.index, []).append(out)
                             continue
                         routed.yielded += 1
-                        yield merged([*held, out]) if held else out
+                        before = held.pop(out.index, [])
+                        yield merged([*before, out]) if before else out
                         if out.finished:
-                            return
+                            routed.ended.add(out.index)
+                            if len(routed.ended) == routed.n:
+                                return
                 except LegFailure as failure:
                     pair = self._retry_pair(routed, attempt, failure)   # or re-raises it
                 finally:
                     attempt.stop(PREFILL_GRACE if routed.outcome[0] == "success" else 0.0)
         except LegFailure as failure:
-            yield self._failed(routed, failure)
+            for out in self._failed(routed, failure):
+                yield out
         except RequestRejected:
             routed.outcome = ("failed", "invalid_request")
             raise
@@ -242,7 +258,7 @@ class RouterClient(EngineClient):
                               "(--max-queued-requests); retry later", None, "overloaded", retry_headers(503))
         now = self.clock.now()
         routed = Routed(request.rid, len(request.prompt_ids), arrival=now, deadline=now + self.cfg.request_timeout,
-                        phase_since=now)
+                        phase_since=now, n=request.params.n)
         self._live[request.rid] = routed
         return routed
 
@@ -255,7 +271,8 @@ class RouterClient(EngineClient):
     def _dispatch(self, routed: Routed, request: GenerateRequest, pair: Pair) -> Attempt:
         routed.attempt += 1
         routed.room = ids.randbits(63) or 1   # room 0 is never valid
-        routed.tokens = 0                         # a retry starts the completion over
+        routed.tokens, routed.counts = 0, {}      # a retry starts the completion over
+        routed.last_token_at = None
         if routed.phase != "dispatched":
             self._enter(routed, "dispatched", self.clock.now())
         # A retry may reach a worker that is still aborting the first try: new leg rid.
@@ -271,8 +288,8 @@ class RouterClient(EngineClient):
         """The next output for the client. Raises LegFailure / RequestRejected."""
         while True:
             event = await self._next_event(routed, attempt)
-            if routed.aborted:
-                return self._end_output(routed, FinishReason.ABORT)
+            if routed.aborted:   # every open choice ends with an abort (`_failed`), never retried
+                raise LegFailure("aborted", "the client aborted")
             if event.error is not None:
                 raise event.error
             out = event.out
@@ -304,37 +321,47 @@ class RouterClient(EngineClient):
 
     def _note(self, routed: Routed, out: StepOutput) -> None:
         now = self.clock.now()
+        if out.token_ids and out.index == 0:   # the choices decode side by side
+            if routed.last_token_at is not None:
+                self.metrics.observe_itl(now - routed.last_token_at)
+            routed.last_token_at = now
         if out.token_ids and routed.phase == "dispatched":   # this try's first token
             if routed.first_token_at is None:
-                self.metrics.ttft.labels(self.metrics.role).observe(now - routed.arrival)
+                self.metrics.observe_ttft(now - routed.arrival)
             routed.first_token_at = now
             self._enter(routed, "streaming", now)
         routed.tokens += len(out.token_ids)
-        if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-            routed.outcome = ("success", out.finish_reason.value)
+        routed.counts[out.index] = routed.counts.get(out.index, 0) + len(out.token_ids)
+        if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and len(routed.ended | {out.index}) == routed.n:
+            routed.outcome = ("success", out.finish_reason.value)   # its last choice ended well
 
     def _enter(self, routed: Routed, phase: str, now: float) -> None:
-        self.metrics.phase_seconds.labels(self.metrics.role, routed.phase).observe(now - routed.phase_since)
+        self.metrics.observe_phase(routed.phase, now - routed.phase_since)
         routed.phase, routed.phase_since = phase, now
 
-    def _end_output(self, routed: Routed, reason: FinishReason, error: str | None = None) -> StepOutput:
-        return StepOutput(routed.rid, prompt_tokens=routed.prompt_tokens, completion_tokens=routed.tokens,
-                          finish_reason=reason, error=error)
+    def _end_outputs(self, routed: Routed, reason: FinishReason, error: str | None = None) -> list[StepOutput]:
+        """A final output for each choice that has not ended."""
+        return [StepOutput(routed.rid, index=i, prompt_tokens=routed.prompt_tokens,
+                           completion_tokens=routed.counts.get(i, 0), finish_reason=reason, error=error)
+                for i in range(routed.n) if i not in routed.ended]
 
-    def _failed(self, routed: Routed, failure: LegFailure) -> StepOutput:
+    def _failed(self, routed: Routed, failure: LegFailure) -> list[StepOutput]:
         if routed.aborted:
-            return self._end_output(routed, FinishReason.ABORT)
+            routed.outcome = ("aborted", "aborted")
+            return self._end_outputs(routed, FinishReason.ABORT)
         routed.outcome = ("failed", failure.reason)
-        return self._end_output(routed, FinishReason.ERROR, str(failure))
+        return self._end_outputs(routed, FinishReason.ERROR, str(failure))
 
     def _finish(self, routed: Routed) -> None:
         now = self.clock.now()
         self._live.pop(routed.rid, None)
-        self.metrics.phase_seconds.labels(self.metrics.role, routed.phase).observe(now - routed.phase_since)
+        self.metrics.observe_phase(routed.phase, now - routed.phase_since)
         outcome, reason = routed.outcome
         self.metrics.record_finish(outcome, reason)
-        if outcome == "success" and routed.first_token_at is not None and routed.tokens > 1:
-            self.metrics.tpot.labels(self.metrics.role).observe((now - routed.first_token_at) / (routed.tokens - 1))
+        self.metrics.observe_e2e(now - routed.arrival)
+        longest = max(routed.counts.values(), default=0)   # the choices decode side by side
+        if outcome == "success" and routed.first_token_at is not None and longest > 1:
+            self.metrics.observe_tpot((now - routed.first_token_at) / (longest - 1))
         ttft = round(routed.first_token_at - routed.arrival, 3) if routed.first_token_at is not None else None
         pair = routed.current.pair if routed.current else None
         log.info("request finished", extra={
@@ -344,14 +371,23 @@ class RouterClient(EngineClient):
 
     def _spawn(self, coro: Coroutine) -> None:
         task = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background[task] = None
+        task.add_done_callback(lambda t: self._background.pop(t, None))
 
     # -- observability ---------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
         # Runs on a scrape thread: list() copies the dict's values in one step under the GIL.
         live, now = list(self._live.values()), self.clock.now()
-        return Snapshot(phases={phase: [now - r.arrival for r in live if r.phase == phase] for phase in PHASES})
+        workers = [self.table.get(url) for url in self.table.urls()]
+        return Snapshot(phases={phase: [now - r.arrival for r in live if r.phase == phase] for phase in PHASES},
+                        overdue={phase: sum(1 for r in live if r.phase == phase and now >= r.deadline)
+                                 for phase in PHASES},
+                        workers=[(w.url, w.role, w.up) for w in workers])
+
+    async def worker_metrics(self) -> bytes:
+        """Every worker's /metrics, scraped now, with `worker` and `role` labels."""
+        targets = [(url, self.table.get(url).role) for url in self.table.urls()]
+        return await scrape_workers(self.api.control, targets, self.cfg.health_timeout)
 
     def debug_rows(self) -> list[dict]:
         now = self.clock.now()
@@ -367,30 +403,33 @@ class RouterClient(EngineClient):
     async def close(self) -> None:
         """Let the aborts already sent reach their workers (briefly)."""
         if self._background:
-            await asyncio.wait(set(self._background), timeout=ABORT_TIMEOUT)
+            await asyncio.wait(list(self._background), timeout=ABORT_TIMEOUT)
 
 
 def merged(outs: list[StepOutput]) -> StepOutput:
-    """One output holding a whole request's `outs` (the last one is final)."""
+    """One output holding a whole choice's `outs` (the last one is final)."""
     last = outs[-1]
-    return StepOutput(last.rid, token_ids=[t for o in outs for t in o.token_ids], text="".join(o.text for o in outs),
+    return StepOutput(last.rid, index=last.index, token_ids=[t for o in outs for t in o.token_ids], text="".join(o.text for o in outs),
                       logprobs=[lp for o in outs for lp in o.logprobs], prompt_tokens=last.prompt_tokens,
                       completion_tokens=last.completion_tokens, finish_reason=last.finish_reason, error=last.error)
 
 
 # ---------------------------------------------------------------- serving
 
-def router_app(router: RouterClient, gate: Gate | None = None) -> FastAPI:
-    """The OpenAI API over the router, /metrics, /debug/requests (the router's requests and
-    every worker's), and GET /workers (the worker table), behind `gate` (API keys)."""
+def router_app(router: RouterClient, gate: Gate | None = None, allowed_origins: tuple[str, ...] = ()) -> FastAPI:
+    """The OpenAI API over the router, /metrics, /metrics/workers (every worker's series),
+    /debug/requests (the router's requests and every worker's), and GET /workers (the worker
+    table), behind `gate` (API keys)."""
     extra = APIRouter()
 
     @extra.get("/workers")
     async def workers() -> dict:
         return {"workers": router.table.rows()}
 
-    observe = observability_router(router.metrics, router.debug_view)
-    return build_openai_app(router, extra_routes=[observe, extra], gate=gate)
+    observe = observability_router(router.metrics, router.debug_view, router.worker_metrics)
+    if gate is not None and "/metrics" in gate.open_paths:   # the workers' series are as open as its own
+        gate = replace(gate, open_paths=gate.open_paths | {WORKERS_PATH})
+    return build_openai_app(router, extra_routes=[observe, extra], gate=gate, allowed_origins=allowed_origins)
 
 
 def router_tokenizer(opts: ModelOptions):
@@ -426,7 +465,7 @@ async def run_router(config: KVRelayConfig, table: WorkerTable, tokenizer, banne
         monitor = WorkerMonitor(table, api, cfg)
         model, max_model_len = await monitor.wait_ready(config.cluster.startup_timeout, table.clock)
         router = RouterClient(cfg, table, api, monitor, tokenizer, model, max_model_len, table.clock)
-        server = uvicorn.Server(uvicorn.Config(router_app(router, gate), **uvicorn_options(srv, sec),
+        server = uvicorn.Server(uvicorn.Config(access_logged(router_app(router, gate, srv.allowed_origins)), **uvicorn_options(srv, sec),
                                                timeout_graceful_shutdown=SHUTDOWN_GRACE))
         print(banner(router), flush=True)
         health = asyncio.create_task(monitor.run())

@@ -52,7 +52,9 @@ def worker_app(engine: AsyncEngine, metrics: ServingMetrics, faults: bool = Fals
     @routes.post("/generate")
     async def generate(body: LegRequest) -> StreamingResponse:
         greq, kwargs = prepare_leg(core, body)
-        return StreamingResponse(_lines(engine, greq, kwargs), media_type="application/x-ndjson")
+        # the leg's rid (validated by LegRequest) names it in this worker's access line
+        return StreamingResponse(_lines(engine, greq, kwargs), media_type="application/x-ndjson",
+                                 headers={"X-Request-Id": body.rid})
 
     @routes.post("/abort")
     async def abort(body: AbortRequest) -> dict:

@@ -52,6 +52,30 @@ def failure_of(out: StepOutput, url: str) -> LegFailure:
     return LegFailure(reason.strip() or "internal_error", detail or "no detail", url)
 
 
+def leg_finals(leg: LegRequest) -> int:
+    """Final lines a leg's stream owes: one per choice on a decode leg (it carries P's
+    address), the one answer of a prefill leg."""
+    return leg.sampling.n if leg.prefill_address is not None else 1
+
+
+class LegLines:
+    """Where a leg's stream stands: it ends after a final line for each of its choices, or
+    at its first error/abort line (the leg failed; the worker ended every choice). Any
+    other line past that, or for a choice that ended or does not exist, is malformed."""
+
+    def __init__(self, leg: LegRequest) -> None:
+        self.finals, self.ended, self.done = leg_finals(leg), set(), False
+
+    def take(self, out: StepOutput) -> None:
+        """Account for `out`; raises ValueError for a line the leg cannot send."""
+        if self.done or out.index >= self.finals or out.index in self.ended:
+            raise ValueError(f"an output for choice {out.index} after its end (or of no choice)")
+        if out.finished:
+            self.ended.add(out.index)
+            self.done = len(self.ended) == self.finals or out.finish_reason in (FinishReason.ERROR,
+                                                                                FinishReason.ABORT)
+
+
 def _http_failure(status: int, body: bytes, url: str) -> Exception:
     """HTTP 400 before streaming: the request can never be served (the client gets the
     same 400). Any other status: this try failed with the code the worker named."""
@@ -92,20 +116,22 @@ class WorkerAPI:
         await self.checks.aclose()
 
     async def generate(self, url: str, leg: LegRequest) -> AsyncIterator[StepOutput]:
-        """The outputs of one leg, the last with `finish_reason` set. Raises
-        `RequestRejected` (HTTP 400) or `LegFailure`. Closing the iterator early closes the
-        stream, which aborts the leg on the worker."""
+        """The outputs of one leg, each choice's last with `finish_reason` set (`LegLines`).
+        Raises `RequestRejected` (HTTP 400) or `LegFailure`. Closing the iterator early
+        closes the stream, which aborts the leg on the worker."""
         try:
             async with self.streams.stream("POST", f"{url}/generate", content=leg.model_dump_json(),
                                            headers={"content-type": "application/json"}) as resp:
                 if resp.status_code != 200:
                     raise _http_failure(resp.status_code, await resp.aread(), url)
+                lines = LegLines(leg)
                 async for line in resp.aiter_lines():
                     if not line.strip():
                         continue
                     out = output_from_json(line)
+                    lines.take(out)
                     yield out
-                    if out.finished:
+                    if lines.done:
                         return
             raise LegFailure(PEER_FAILED, f"{url} ended the stream before the final output", url, broken=True)
         except httpx.TransportError as exc:

@@ -4,8 +4,9 @@
 Worker endpoints (prefill and decode alike):
     POST /generate   LegRequest -> an NDJSON stream of `StepOutput` lines; the last line has
                      `finish_reason` set. A request that can never be served gets HTTP 400
-                     with an OpenAI error body before any line. The prefill leg sends exactly
-                     one line: finish_reason "length" once D acknowledged the KV, else
+                     with an OpenAI error body before any line. A decode leg of n choices
+                     ends after n final lines (each line carries its choice's `index`), or
+                     at its first error/abort line. The prefill leg sends exactly one line: finish_reason "length" once D acknowledged the KV, else
                      "error"/"abort" with `error` = "<reason code>: <detail>".
                      Closing the stream early aborts the leg.
     POST /abort      AbortRequest -> {"aborted": bool}
@@ -30,10 +31,11 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 from kvrelay.disagg.wire import valid_endpoint
-from kvrelay.engine.types import FinishReason, SamplingParams, StepOutput, TokenLogprob
+from kvrelay.engine.grammar_spec import MAX_GRAMMAR_CHARS
+from kvrelay.engine.types import MAX_N, FinishReason, GrammarSpec, SamplingParams, StepOutput, TokenLogprob
 from kvrelay.server.errors import json_text
-from kvrelay.server.protocol import (MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, SEED_LIMIT,
-                                     TOKEN_ID_LIMIT, TOP_K_LIMIT, Text)
+from kvrelay.server.protocol import (LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, MAX_STOP_CHARS,
+                                     MAX_STOP_TOKEN_IDS, MAX_STOPS, SEED_LIMIT, TOKEN_ID_LIMIT, TOP_K_LIMIT, Text)
 
 MAX_ROOM = 2**63 - 1
 MAX_RID_CHARS = 200
@@ -42,6 +44,7 @@ RID_RE = re.compile(r"[A-Za-z0-9._:@+=-]+")
 _STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]
 Stop = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
+Bias = Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]
 
 
 def check_endpoint(address: str) -> str:
@@ -51,6 +54,23 @@ def check_endpoint(address: str) -> str:
         raise PydanticCustomError("invalid_address", "must be tcp://host:port (host a DNS name, an IPv4 "
                                   "address or a bracketed IPv6 address; port 1-65535)")
     return address
+
+
+class WireGrammar(BaseModel):
+    """`engine.types.GrammarSpec` on the wire; D rebuilds the matcher from it and replays P's token."""
+    model_config = _STRICT
+
+    kind: Literal["json_object", "json_schema", "regex", "choice", "lark"]
+    value: Text = Field("", max_length=MAX_GRAMMAR_CHARS)
+
+
+class WireBias(BaseModel):
+    """One logit_bias entry (an object: FastAPI checks a leg's body in strict Python mode,
+    where a JSON array is never a tuple)."""
+    model_config = _STRICT
+
+    token: TokenId                  # the engine checks it against the vocabulary
+    bias: Bias
 
 
 class WireSampling(BaseModel):
@@ -67,17 +87,28 @@ class WireSampling(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logit_bias: list[WireBias] = Field([], max_length=MAX_LOGIT_BIAS_TOKENS)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0, lt=TOKEN_ID_LIMIT)   # counts P's first token
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    n: int = Field(1, ge=1, le=MAX_N)   # choices; a decode leg streams n of them, each line tagged `index`
+    grammar: WireGrammar | None = None   # compiled (and refused if bad) by the worker's validate
 
     @classmethod
     def of(cls, p: SamplingParams) -> "WireSampling":
         return cls(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                    seed=p.seed, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
                    ignore_eos=p.ignore_eos, presence_penalty=p.presence_penalty,
-                   frequency_penalty=p.frequency_penalty, logprobs=p.logprobs)
+                   frequency_penalty=p.frequency_penalty, logprobs=p.logprobs,
+                   logit_bias=[WireBias(token=t, bias=b) for t, b in p.logit_bias], min_p=p.min_p,
+                   min_tokens=p.min_tokens, repetition_penalty=p.repetition_penalty, n=p.n,
+                   grammar=WireGrammar(kind=p.grammar.kind, value=p.grammar.value) if p.grammar else None)
 
     def params(self) -> SamplingParams:
         d = self.model_dump()
         d["stop"], d["stop_token_ids"] = tuple(self.stop), tuple(self.stop_token_ids)
+        d["logit_bias"] = tuple((e.token, e.bias) for e in self.logit_bias)
+        d["grammar"] = GrammarSpec(self.grammar.kind, self.grammar.value) if self.grammar else None
         return SamplingParams(**d)
 
 
@@ -145,7 +176,7 @@ def _finite(x: float) -> float | None:
 def output_to_json(out: StepOutput) -> str:
     """One NDJSON line. Never raises on odd text: a lone surrogate becomes U+FFFD."""
     return json_text({
-        "rid": out.rid, "token_ids": out.token_ids, "text": out.text,
+        "rid": out.rid, "index": out.index, "token_ids": out.token_ids, "text": out.text,
         "logprobs": [[lp.token_id, _finite(lp.logprob), [[t, _finite(v)] for t, v in lp.top]] for lp in out.logprobs],
         "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
         "finish_reason": out.finish_reason.value if out.finish_reason is not None else None,
@@ -157,6 +188,7 @@ class _Line(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     rid: str = Field(max_length=MAX_RID_CHARS + 16)
+    index: int = Field(0, ge=0, lt=MAX_N)   # the choice (an older worker sends none: 0)
     token_ids: list[TokenId]
     text: str
     logprobs: list[tuple[TokenId, float | None, list[tuple[TokenId, float | None]]]]
@@ -178,7 +210,7 @@ def output_from_json(line: str | bytes) -> StepOutput:
     except ValueError as exc:   # pydantic.ValidationError is a ValueError
         raise ValueError(f"malformed output line: {str(exc).splitlines()[0]}") from None
     return StepOutput(
-        rid=d.rid, token_ids=list(d.token_ids), text=d.text,
+        rid=d.rid, index=d.index, token_ids=list(d.token_ids), text=d.text,
         logprobs=[TokenLogprob(t, _logprob(lp), tuple((a, _logprob(b)) for a, b in top)) for t, lp, top in d.logprobs],
         prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens,
         finish_reason=d.finish_reason, error=d.error)

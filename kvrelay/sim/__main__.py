@@ -77,13 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", dest="num_prefill", type=int, default=SimConfig.num_prefill)
     ap.add_argument("--decode", dest="num_decode", type=int, default=SimConfig.num_decode)
     ap.add_argument("--requests", type=int, default=SimConfig.requests)
+    ap.add_argument("--max-n", type=int, default=SimConfig.max_n,
+                    help="some requests ask for 2..MAX_N choices (n), drawn per seed (1: none)")
     ap.add_argument("--schedule", help="replay this fault schedule (JSON, as printed) instead of drawing one")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes")
     ap.add_argument("--no-shrink", action="store_true")
     ap.add_argument("--num-prefill", dest="num_prefill", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--num-decode", dest="num_decode", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    cfg = SimConfig(num_prefill=args.num_prefill, num_decode=args.num_decode, requests=args.requests)
+    cfg = SimConfig(num_prefill=args.num_prefill, num_decode=args.num_decode, requests=args.requests,
+                    max_n=args.max_n)
     seeds = list(args.seeds)
     t0 = time.perf_counter()
     if args.schedule is not None:
@@ -100,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         for k, v in r.outcomes.items():
             outcomes[k] = outcomes.get(k, 0) + v
-    print(f"{len(results)} seeds ({cfg.num_prefill}P{cfg.num_decode}D, {cfg.requests} requests each) in "
+    print(f"{len(results)} seeds ({cfg.num_prefill}P{cfg.num_decode}D, {cfg.requests} requests each"
+          f"{f', n up to {cfg.max_n}' if cfg.max_n > 1 else ''}) in "
           f"{elapsed:.1f} s: {len(results) / elapsed:.1f} seeds/s; {len(failed)} failed")
     print(f"client outcomes: {json.dumps(dict(sorted(outcomes.items())))}")
     for r in failed[:5]:

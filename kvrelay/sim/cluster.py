@@ -31,7 +31,7 @@ from kvrelay.engine.engine import AsyncEngine
 from kvrelay.engine.types import StepOutput
 from kvrelay.server.router import RouterClient
 from kvrelay.server.worker_app import leg_outputs, prepare_leg
-from kvrelay.server.worker_client import ABORT_TIMEOUT, PEER_FAILED, LegFailure, WorkerMonitor
+from kvrelay.server.worker_client import ABORT_TIMEOUT, PEER_FAILED, LegFailure, LegLines, WorkerMonitor
 from kvrelay.server.pairing import WorkerTable
 from kvrelay.server.worker_protocol import LegRequest, WorkerHealth, output_from_json, output_to_json
 
@@ -76,7 +76,7 @@ class SimWorker:
         self.http_ok = asyncio.Event()  # False while the router<->worker link is cut
         self.http_ok.set()
         self.engine: AsyncEngine | None = None
-        self.streams: set[_Stream] = set()
+        self.streams: dict[_Stream, None] = {}   # insertion-ordered: a crash resets them in a replayable order
         self.iterations = 0
         self.incarnations = 0
         self._kick = asyncio.Event()
@@ -209,7 +209,8 @@ class SimWorkerAPI:
         lines: asyncio.Queue = asyncio.Queue()
         stream = _Stream(asyncio.current_task())
         stream.server = asyncio.get_running_loop().create_task(self._serve(engine, greq, kwargs, lines))
-        w.streams.add(stream)
+        w.streams[stream] = None
+        ends = LegLines(leg)
         try:
             while True:
                 line = await lines.get()
@@ -220,8 +221,9 @@ class SimWorkerAPI:
                 if not w.http_ok.is_set():
                     await w.http_ok.wait()        # bytes wait in the socket until the link heals
                 out = output_from_json(line)
+                ends.take(out)
                 yield out
-                if out.finished:
+                if ends.done:
                     stream.ended = True
                     return
         except asyncio.CancelledError:
@@ -230,7 +232,7 @@ class SimWorkerAPI:
             asyncio.current_task().uncancel()
             raise LegFailure(PEER_FAILED, f"{url}: connection reset", url, broken=True) from None
         finally:
-            w.streams.discard(stream)
+            w.streams.pop(stream, None)
             if not stream.ended and not stream.server.done():
                 if self.latency and not stream.reset:
                     asyncio.get_running_loop().call_later(self.latency, stream.server.cancel)
@@ -239,14 +241,13 @@ class SimWorkerAPI:
 
     @staticmethod
     async def _serve(engine, greq, kwargs, lines: asyncio.Queue) -> None:
-        """The worker's request handler: the leg's outputs as NDJSON lines; None if it
-        ended without a final one, the exception if it raised (a late 400)."""
+        """The worker's request handler: the leg's outputs as NDJSON lines, then None (the
+        stream's end: the router's end reads it only if a final line is missing); the
+        exception if it raised (a late 400)."""
         outs = leg_outputs(engine, greq, kwargs)
         try:
             async for out in outs:
                 lines.put_nowait(output_to_json(out))
-                if out.finished:
-                    return
             lines.put_nowait(None)
         except Exception as exc:  # noqa: BLE001 - handed to the router's end
             lines.put_nowait(exc)

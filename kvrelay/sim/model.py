@@ -8,6 +8,11 @@ its pages really hold: a page that another request's write reached, a transfer t
 landed late or not at all, or a page freed too early changes what comes out, and
 `expected_tokens` (a pure function of the prompt) is what a fault-free run produces.
 
+The logits put 0 on that token and -0.5 on a runner-up, -30 elsewhere: greedy decoding
+never sees the runner-up, seeded sampling takes it about a third of the time, so the
+choices of a sampled request of n > 1 diverge (and must not write into each other's
+pages); `expected_sampled` replays the production sampler on the same logits.
+
 Nothing else is simulated: the engine, scheduler, allocator, sampler (greedy, on one-hot
 logits) and detokenizer that run it are the production ones.
 """
@@ -19,6 +24,9 @@ import torch
 
 from kvrelay.engine.loader import LoadedModel
 from kvrelay.engine.models.base import ArchConfig
+from kvrelay.engine.request import choice_params
+from kvrelay.engine.sampling import Sampler, SamplingState
+from kvrelay.engine.types import SamplingParams
 
 VOCAB = 64
 EOS = 0
@@ -34,6 +42,39 @@ def next_token(slot: bytes, eos_ok: bool) -> int:
     """The token after a sequence whose last slot is `slot` (never EOS unless allowed)."""
     n = int.from_bytes(slot, "little")
     return n % VOCAB if eos_ok else 1 + n % (VOCAB - 1)
+
+
+def runner_up(slot: bytes, eos_ok: bool) -> int:
+    """The second-best token after `slot`: never the best one, never EOS."""
+    best = next_token(slot, eos_ok)
+    tok = 1 + (int.from_bytes(slot, "little") >> 16) % (VOCAB - 1)
+    return tok if tok != best else 1 + tok % (VOCAB - 1)
+
+
+def logits_for(slots: list[bytes], eos_ok: bool) -> torch.Tensor:
+    logits = torch.full((len(slots), VOCAB), -30.0)
+    for row, h in enumerate(slots):
+        logits[row, runner_up(h, eos_ok)] = -0.5
+        logits[row, next_token(h, eos_ok)] = 0.0
+    return logits
+
+
+def expected_sampled(prompt: list[int], params: SamplingParams, index: int, eos_ok: bool) -> list[int]:
+    """What a fault-free run generates for choice `index` of a seeded request (the
+    production sampler, with that choice's own sampling state; stops after EOS)."""
+    h = ZERO
+    for t in prompt:
+        h = chain(h, t)
+    state = SamplingState(choice_params(params, index), prompt)
+    out: list[int] = []
+    while len(out) < params.max_tokens:
+        tok = Sampler().sample(logits_for([h], eos_ok), [state])[0].token_id
+        out.append(tok)
+        state.append(tok)
+        if tok == EOS:
+            break
+        h = chain(h, tok)
+    return out
 
 
 def expected_tokens(prompt: list[int], max_tokens: int, eos_ok: bool) -> list[int]:
@@ -99,10 +140,7 @@ class HashRunner:
         return h
 
     def _logits(self, last: list[bytes]) -> torch.Tensor:
-        logits = torch.full((len(last), VOCAB), -30.0)
-        for row, h in enumerate(last):
-            logits[row, next_token(h, self.eos_ok)] = 0.0
-        return logits
+        return logits_for(last, self.eos_ok)
 
     def prefill(self, chunks) -> torch.Tensor:
         return self._logits([self._extend(c.tokens, c.start, c.pages) for c in chunks])

@@ -3,9 +3,9 @@ check every invariant while it runs and once it is idle.
 
 Invariants (docs/lifecycle.md names them; `Violation.invariant` is the name):
     one-answer       every client request that stays gets exactly one terminal answer
-                     (a final output, or an error raised before any output)
+                     (a final output per choice, or an error raised before any output)
     answer-bound     ... within --request-timeout of its arrival
-    same-tokens      a request that succeeded returned the tokens of a fault-free run
+    same-tokens      a request (each choice) that succeeded returned the tokens of a fault-free run
     kv-intact        every running request's KV pages hold exactly its own tokens' KV
                      (a write that lands after its epoch changed breaks this)
     no-late-write    every byte a transfer lands in D's pool goes to pages its room still
@@ -22,9 +22,16 @@ Invariants (docs/lifecycle.md names them; `Violation.invariant` is the name):
                      plus its lease (or after a clock jump that ended it)
     no-starvation    the head of a worker's waiting queue, while the batch has room and the
                      pages for its next chunk are free, is scheduled within 3 iterations
-    pages-owned-once the allocator's integrity check: no page owned twice, none lost
+    pages-owned-once the allocator's integrity check: every used page in exactly one owner
+                     group, its reference count equal to its holders, none lost
     idle-whole       once idle: every pool whole, every phase gauge 0, nothing live
     debug-is-metrics a worker's /debug/requests phase counts equal its kvrelay_requests gauges
+
+With `SimConfig.max_n` > 1 some requests ask for n > 1 choices (drawn from a stream of
+their own), sampled with a seed, so that the choices diverge: each choice must return
+what the production sampler gives it on a fault-free run (`model.expected_sampled`: P
+samples every choice's first token, D the rest), and every running choice's pages (the
+shared prompt pages, its own copy of the last one) must hold its own KV.
 
 Beyond the first cut, each seed also draws (from a stream of its own, so that requests
 and faults stay what they were): KV written in pieces over a slow data path, one-sided
@@ -39,6 +46,8 @@ import logging
 import random
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from kvrelay.core import ids
 from kvrelay.core.clock import SimClock
 from kvrelay.core.config import KVCacheConfig, LifecycleConfig, RouterConfig, SchedulerConfig, TransferConfig
@@ -51,7 +60,7 @@ from kvrelay.server.errors import OpenAIError
 from kvrelay.sim import faults as fl
 from kvrelay.sim import loop
 from kvrelay.sim.cluster import CORES, Costs, SimRouter, SimWorker
-from kvrelay.sim.model import chain, expected_tokens, sim_loaded
+from kvrelay.sim.model import chain, expected_sampled, expected_tokens, sim_loaded
 from kvrelay.sim.net import SimNetwork
 
 SETTLE_POLL = 0.1
@@ -73,6 +82,7 @@ class SimConfig:
     requests: int = 20
     window: float = 3.0           # seconds over which requests arrive and faults start
     max_faults: int = 4
+    max_n: int = 1                # choices per request drawn from 1..max_n (1: every request n=1)
 
 
 @dataclass
@@ -82,6 +92,8 @@ class Request:
     max_tokens: int
     stream: bool
     arrival: float
+    n: int = 1
+    seed: int | None = None       # sampled (temperature 1) with this seed; None: greedy
 
 
 @dataclass
@@ -92,6 +104,8 @@ class Answer:
     error: str | None = None
     terminal: int = 0
     left: bool = False
+    n: int = 1
+    ended: set = field(default_factory=set)   # choices whose final output came
 
 
 @dataclass
@@ -133,6 +147,11 @@ class Sim:
             page_size=4, max_kv_tokens=rng.choice([96, 160]) if small and i == cfg.num_decode - 1 else 2048))
             for i in range(cfg.num_decode)]
         self.requests = [self._draw_request(i) for i in range(cfg.requests)]
+        if cfg.max_n > 1:   # a stream of its own: the requests and faults stay what they were
+            choices = random.Random(seed ^ 0xC401CE)
+            for r in self.requests:
+                r.n = choices.choice([1, 1, choices.randint(2, cfg.max_n)])
+                r.seed = choices.randrange(1 << 31) if r.n > 1 else None
         lease = self.lifecycle.heartbeat_interval * self.lifecycle.heartbeat_misses
         self.schedule = schedule if schedule is not None else fl.draw(
             rng, [w.name for w in self.workers if w.role == "prefill"],
@@ -297,9 +316,8 @@ class Sim:
     async def _client(self, req: Request, leave: fl.Fault | None) -> None:
         await asyncio.sleep(max(0.0, self.t0 + req.arrival - self.clock.now()))
         client = self.router.client
-        greq = GenerateRequest(req.rid, req.prompt, SamplingParams(max_tokens=req.max_tokens, temperature=0.0),
-                               whole=not req.stream)
-        ans = self.answers[req.rid] = Answer(start=self.clock.now())
+        greq = GenerateRequest(req.rid, req.prompt, self._params(req), whole=not req.stream)
+        ans = self.answers[req.rid] = Answer(start=self.clock.now(), n=req.n)
         gen = client.generate(greq)
         leave_at = self.t0 + leave.at if leave is not None else None
         try:
@@ -314,15 +332,23 @@ class Sim:
         if not ans.left:
             self._check_answer(req, ans)
 
+    @staticmethod
+    def _params(req: Request) -> SamplingParams:
+        return SamplingParams(max_tokens=req.max_tokens, temperature=0.0 if req.seed is None else 1.0,
+                              seed=req.seed, n=req.n)
+
     async def _consume(self, gen, ans: Answer, leave: fl.Fault | None) -> None:
         try:
             async for out in gen:
-                if ans.terminal:
-                    raise Violation("one-answer", f"{out.rid}: an output after the final one")
+                if out.index in ans.ended or not 0 <= out.index < ans.n:
+                    raise Violation("one-answer", f"{out.rid}: an output of choice {out.index} after its final one "
+                                                  f"(or of no choice: n={ans.n})")
                 ans.outputs.append(out)
                 if out.finished:
+                    ans.ended.add(out.index)
                     ans.terminal += 1
-                    ans.end = self.clock.now()
+                    if len(ans.ended) == ans.n:
+                        ans.end = self.clock.now()
                 if leave is not None and len(ans.outputs) >= leave.params.get("count", 0) and not out.finished:
                     return
         except (OpenAIError, RequestRejected) as exc:
@@ -331,17 +357,20 @@ class Sim:
             ans.error, ans.terminal, ans.end = f"{getattr(exc, 'code', None) or 'rejected'}: {exc}", 1, self.clock.now()
 
     def _check_answer(self, req: Request, ans: Answer) -> None:
-        if ans.terminal != 1:
-            raise Violation("one-answer", f"{req.rid} got {ans.terminal} terminal answers")
+        if ans.terminal != (1 if ans.error else req.n) or ans.end is None:
+            raise Violation("one-answer", f"{req.rid} got {ans.terminal} terminal answers for n={req.n}")
         bound = self.router_cfg.request_timeout + 0.5
         if ans.end - ans.start > bound:
             raise Violation("answer-bound", f"{req.rid} answered after {ans.end - ans.start:.2f}s > {bound}s")
-        last = ans.outputs[-1] if ans.outputs else None
-        if last is not None and last.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-            got = [t for o in ans.outputs for t in o.token_ids]
-            want = expected_tokens(list(req.prompt), req.max_tokens, self.loaded.model.eos_ok)
-            if got != want:
-                raise Violation("same-tokens", f"{req.rid}: {got} != {want}")
+        eos_ok = self.loaded.model.eos_ok
+        for i in range(req.n):
+            outs = [o for o in ans.outputs if o.index == i]
+            if outs and outs[-1].finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                got = [t for o in outs for t in o.token_ids]
+                want = (expected_tokens(list(req.prompt), req.max_tokens, eos_ok) if req.seed is None
+                        else expected_sampled(list(req.prompt), self._params(req), i, eos_ok))
+                if got != want:
+                    raise Violation("same-tokens", f"{req.rid} choice {i}: {got} != {want}")
 
     # ---- invariants while running ----------------------------------------------------------
     def after_iteration(self, w: SimWorker) -> None:
@@ -359,9 +388,9 @@ class Sim:
         seen = self._checked[w.name]
         full = w.iterations % 16 == 0
         for req in core.scheduler.running:
-            if full or req.rid not in seen:
+            if full or (req.rid, req.index) not in seen:
                 self._check_kv(w, req)
-                seen.add(req.rid)
+                seen.add((req.rid, req.index))
         if full:
             core.allocator.check_integrity()
             if w.iterations % 64 == 0:
@@ -375,7 +404,7 @@ class Sim:
         if w is None or w.core is None or w.core.manager.pool_id != pool_id or self.violation is not None:
             return
         alloc = w.core.allocator
-        bad = [(p, alloc.owner_of(p)) for p in pages if alloc.owner_of(p) != ("room", room)]
+        bad = [(p, alloc.holders(p)) for p in pages if alloc.holders(p) != [("room", room)]]
         if bad:
             self.fail(Violation("no-late-write", f"bytes of room {room} epoch {epoch} land in {w.name}'s pages "
                                                  f"owned by others now (page, owner): {bad[:4]}"))
@@ -463,7 +492,7 @@ class Sim:
         for pos in range(n):
             h = chain(h, tokens[pos])
             if runner.read(req.pages, pos) != h:
-                raise Violation("kv-intact", f"{w.name}: {req.rid} position {pos} of {n} does not hold its "
+                raise Violation("kv-intact", f"{w.name}: {req.rid} choice {req.index} position {pos} of {n} does not hold its "
                                              f"own KV (pages {req.pages})")
 
     def _check_debug_view(self, w: SimWorker) -> None:
@@ -504,7 +533,14 @@ class Sim:
 
 def run_seed(seed: int, cfg: SimConfig = SimConfig(), schedule: list[fl.Fault] | None = None) -> Result:
     logging.disable(logging.CRITICAL)
+    # Sampled requests (max_n > 1) softmax tiny rows: on one thread, not an OpenMP team
+    # (which, on a busy machine, waits milliseconds per op).
+    threads = torch.get_num_threads()
+    if cfg.max_n > 1:
+        torch.set_num_threads(1)
     try:
         return Sim(seed, cfg, schedule).run()
     finally:
         logging.disable(logging.NOTSET)
+        if cfg.max_n > 1:
+            torch.set_num_threads(threads)
