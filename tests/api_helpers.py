@@ -14,7 +14,7 @@ import uvicorn
 
 from kvrelay.core.config import SecurityConfig, ServerConfig
 from kvrelay.engine.types import EngineClient, FinishReason, GenerateRequest, StepOutput
-from kvrelay.server.startup import uvicorn_options
+from kvrelay.server.startup import serving_url, uvicorn_options
 from serving_helpers import free_port
 
 
@@ -80,11 +80,12 @@ class Scripted(EngineClient):
 
 
 @contextlib.contextmanager
-def serving(app):
+def serving(app, sec: SecurityConfig | None = None):
     """`app` on uvicorn in a thread, with the options every serving command uses; yields
     its URL. For clients that need a real socket, without a process to start."""
+    sec = sec or SecurityConfig()
     srv = ServerConfig(port=free_port(), log_level="warning")
-    server = uvicorn.Server(uvicorn.Config(app, **uvicorn_options(srv, SecurityConfig())))
+    server = uvicorn.Server(uvicorn.Config(app, **uvicorn_options(srv, sec)))
     thread = threading.Thread(target=server.run, name="uvicorn-api", daemon=True)
     thread.start()
     try:
@@ -92,7 +93,7 @@ def serving(app):
         while not server.started:
             assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.05)
-        yield f"http://127.0.0.1:{srv.port}"
+        yield serving_url(srv, sec)
     finally:
         server.should_exit = True
         thread.join(timeout=30)

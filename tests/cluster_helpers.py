@@ -3,6 +3,7 @@
 their logs in files so a failing test can show them."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -177,3 +178,30 @@ def phase_gauges(url: str) -> dict[str, float]:
 
 def finished(url: str, **labels) -> float:
     return sum(gauge(metric_samples(url), "kvrelay_requests_finished_total", **labels))
+
+
+@contextlib.asynccontextmanager
+async def router_client(prefill: list[str], decode: list[str], **cfg):
+    """A RouterClient over real workers, built as `run_router` builds it (no HTTP front,
+    no tokenizer: requests go to `generate` as token ids). Health checks run only when the
+    test calls `router.monitor.check_all()`."""
+    from kvrelay.core.clock import MonotonicClock
+    from kvrelay.core.config import RouterConfig
+    from kvrelay.server.pairing import WorkerTable
+    from kvrelay.server.router import RouterClient
+    from kvrelay.server.worker_client import WorkerAPI, WorkerMonitor
+
+    config = RouterConfig(prefill=tuple(prefill), decode=tuple(decode), health_timeout=2.0, **cfg)
+    api = WorkerAPI(config)
+    try:
+        clock = MonotonicClock()
+        table = WorkerTable(list(prefill), list(decode), clock)
+        monitor = WorkerMonitor(table, api, config)
+        model, max_model_len = await monitor.wait_ready(60, clock)
+        router = RouterClient(config, table, api, monitor, None, model, max_model_len, clock)
+        try:
+            yield router
+        finally:
+            await router.close()
+    finally:
+        await api.close()

@@ -5,24 +5,19 @@ it), with aborts, failures and preemption, and nothing left behind."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import time
 
 import pytest
 
-from cluster_helpers import Cluster
-from kvrelay.core.clock import MonotonicClock
-from kvrelay.core.config import KVCacheConfig, RouterConfig, SchedulerConfig
+from cluster_helpers import Cluster, router_client
+from kvrelay.core.config import KVCacheConfig, SchedulerConfig
 from kvrelay.core.kvlayout import KVLayout
 from kvrelay.engine.allocator import IntegrityError, PageAllocator
 from kvrelay.engine.engine import build_engine
 from kvrelay.engine.request import Req, ReqStatus
 from kvrelay.engine.scheduler import Scheduler, pages_for
 from kvrelay.engine.types import MAX_N, FinishReason, GenerateRequest, RequestRejected, SamplingParams, StepOutput
-from kvrelay.server.pairing import WorkerTable
-from kvrelay.server.router import RouterClient
-from kvrelay.server.worker_client import WorkerAPI, WorkerMonitor
 from kvrelay.server.worker_protocol import output_from_json, output_to_json
 from kvrelay.sim.run import SimConfig, run_seed
 from serving_helpers import gauge, metric_samples
@@ -316,25 +311,6 @@ def test_the_simulation_with_choices_is_clean_and_sees_a_shared_page_written(mon
 
 # ---------------------------------------------------------------- disaggregated
 
-@contextlib.asynccontextmanager
-async def router_over(cluster: Cluster):
-    config = RouterConfig(prefill=tuple(p.url for p in cluster.prefill), decode=tuple(d.url for d in cluster.decode),
-                          health_timeout=2.0)
-    api = WorkerAPI(config)
-    try:
-        clock = MonotonicClock()
-        table = WorkerTable(list(config.prefill), list(config.decode), clock)
-        monitor = WorkerMonitor(table, api, config)
-        model, max_model_len = await monitor.wait_ready(60, clock)
-        router = RouterClient(config, table, api, monitor, None, model, max_model_len, clock)
-        try:
-            yield router
-        finally:
-            await router.close()
-    finally:
-        await api.close()
-
-
 def worker_counter(url: str, name: str) -> float:
     return sum(gauge(metric_samples(url), name))
 
@@ -373,7 +349,7 @@ def test_disaggregated_n_choices_one_prefill_one_transfer(tiny_llama_dir, tiny_l
             w.wait_healthy()
 
         async def main():
-            async with router_over(cluster) as router:
+            async with router_client([p.url for p in cluster.prefill], [d.url for d in cluster.decode]) as router:
                 before = worker_counter(p.url, "kvrelay_transfer_bytes_total")
                 outs = await collect(router, GenerateRequest("three", PROMPT, seeded))
                 sent = worker_counter(p.url, "kvrelay_transfer_bytes_total") - before

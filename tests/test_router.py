@@ -32,13 +32,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster_helpers import LIFECYCLE_FLAGS, Cluster, Proc, phase_gauges
-from kvrelay.core.clock import MonotonicClock
-from kvrelay.core.config import RouterConfig
+from cluster_helpers import LIFECYCLE_FLAGS, Cluster, Proc, phase_gauges, router_client
 from kvrelay.engine.types import FinishReason, GenerateRequest, SamplingParams
-from kvrelay.server.pairing import WorkerTable
 from kvrelay.server.router import RouterClient
-from kvrelay.server.worker_client import WorkerAPI, WorkerMonitor
 from serving_helpers import free_port, gauge, metric_samples
 
 MAX_QUEUED = 2
@@ -221,27 +217,6 @@ def assert_idle(worker: Proc) -> None:
     assert phases and not any(phases), (worker.name, phases)
     capacity = gauge(s, "kvrelay_kv_pages_capacity")
     assert capacity and gauge(s, "kvrelay_kv_pages_free") == capacity, worker.name
-
-
-@contextlib.asynccontextmanager
-async def router_client(prefill: list[str], decode: list[str], **cfg):
-    """A RouterClient over real workers, built as `run_router` builds it (no HTTP front,
-    no tokenizer: requests go to `generate` as token ids). Health checks run only when the
-    test calls `router.monitor.check_all()`."""
-    config = RouterConfig(prefill=tuple(prefill), decode=tuple(decode), health_timeout=2.0, **cfg)
-    api = WorkerAPI(config)
-    try:
-        clock = MonotonicClock()
-        table = WorkerTable(prefill, decode, clock)
-        monitor = WorkerMonitor(table, api, config)
-        model, max_model_len = await monitor.wait_ready(60, clock)
-        router = RouterClient(config, table, api, monitor, None, model, max_model_len, clock)
-        try:
-            yield router
-        finally:
-            await router.close()
-    finally:
-        await api.close()
 
 
 def token_request(rid: str, max_tokens: int = 6) -> GenerateRequest:

@@ -3,15 +3,11 @@ https:// workers through --ssl-ca-certs. Certificates come from a throwaway CA (
 servers run in this process, uvicorn on a thread."""
 from __future__ import annotations
 
-import contextlib
 import ssl
-import threading
-import time
 
 import httpx
 import pytest
 import trustme
-import uvicorn
 from fastapi import FastAPI, Request
 
 from kvrelay.core.clock import MonotonicClock
@@ -22,7 +18,7 @@ from kvrelay.server.router import worker_table
 from kvrelay.server.security import api_gate, auth_headers, check_tls, worker_verify
 from kvrelay.server.startup import serving_url, uvicorn_options
 from kvrelay.server.worker_client import LegFailure, WorkerAPI
-from serving_helpers import free_port
+from api_helpers import serving
 
 pytestmark = pytest.mark.anyio
 
@@ -43,24 +39,6 @@ def pki(tmp_path_factory):
 
 def tls(pki, **more) -> SecurityConfig:
     return SecurityConfig(ssl_certfile=pki["cert"], ssl_keyfile=pki["key"], **more)
-
-
-@contextlib.contextmanager
-def serving(app, sec: SecurityConfig):
-    """`app` on uvicorn with the options every serving command uses; yields its URL."""
-    srv = ServerConfig(port=free_port(), log_level="warning")
-    server = uvicorn.Server(uvicorn.Config(app, **uvicorn_options(srv, sec)))
-    thread = threading.Thread(target=server.run, name="uvicorn-tls", daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-        yield serving_url(srv, sec)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def test_https_options_and_urls(pki):
