@@ -7,6 +7,13 @@ Both use ignore_eos so every request produces exactly its output length.
 
   python benchmarks/serving.py --url http://127.0.0.1:8000          # a running server
   python benchmarks/serving.py --spawn -- --dtype bfloat16            # start `kvrelay serve` first
+  python benchmarks/serving.py --url http://127.0.0.1:8202 --text-prompts   # llama-cpp-python
+
+--text-prompts is for servers that take text prompts only, have no ignore_eos and send no
+usage while streaming (llama-cpp-python's): the same random token prompts decoded to text
+with the default model's tokenizer (re-tokenized, a prompt is within a few tokens of its
+length), the end-of-sequence ids suppressed with logit_bias, and output tokens counted as
+streamed chunks that carry text or no finish_reason (such a server streams one token a chunk).
 """
 from __future__ import annotations
 
@@ -33,9 +40,28 @@ class Result:
     error: str | None = None
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], out_len: int) -> Result:
+@dataclass(frozen=True)
+class TextPrompts:
+    """How to drive a text-only server: the tokenizer that turns the token prompts into
+    text, and the ids whose logits are pushed to -100 instead of ignore_eos."""
+    tokenizer: object
+    eos_ids: tuple[int, ...]
+
+    @classmethod
+    def default_model(cls) -> "TextPrompts":
+        from kvrelay.engine.loader import default_tokenizer
+        tok = default_tokenizer()
+        eos = {tok.eos_token_id, tok.bos_token_id, *(tok.convert_tokens_to_ids(t) for t in ("<|im_end|>",))}
+        return cls(tok, tuple(sorted(i for i in eos if isinstance(i, int) and i >= 0)))
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], out_len: int,
+                      text: TextPrompts | None = None) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    if text is not None:
+        body = {"model": model, "prompt": text.tokenizer.decode(prompt), "max_tokens": out_len, "temperature": 0,
+                "stream": True, "logit_bias": {str(i): -100 for i in text.eos_ids}}
     res, start = Result(), time.perf_counter()
     async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
         if resp.status_code != 200:
@@ -49,23 +75,26 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
                 res.error = chunk["error"].get("message")
             if chunk.get("usage"):
                 res.tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+            choice = (chunk.get("choices") or [{}])[0]
+            if choice.get("text") is not None and (text is None or choice["text"] or not choice.get("finish_reason")):
                 now = time.perf_counter() - start
                 if not res.token_times:
                     res.ttft = now
                 res.token_times.append(now)
+    if text is not None:
+        res.tokens = len(res.token_times)
     return res
 
 
-async def run_workload(url: str, name: str, seed: int = 0) -> dict:
+async def run_workload(url: str, name: str, seed: int = 0, text: TextPrompts | None = None) -> dict:
     concurrency, prompt_len, out_len = WORKLOADS[name]
     rng = random.Random(seed)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
         model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
         prompts = [[rng.randrange(1000, 20000) for _ in range(prompt_len)] for _ in range(concurrency)]
-        await one_request(client, url, model, prompts[0][:16], 4)  # warm-up
+        await one_request(client, url, model, prompts[0][:16], 4, text)  # warm-up
         start = time.perf_counter()
-        results = await asyncio.gather(*(one_request(client, url, model, p, out_len) for p in prompts))
+        results = await asyncio.gather(*(one_request(client, url, model, p, out_len, text) for p in prompts))
         elapsed = time.perf_counter() - start
     errors = [r.error for r in results if r.error]
     if errors:
@@ -111,13 +140,17 @@ def main() -> None:
     ap.add_argument("--spawn", action="store_true", help="start `kvrelay serve` on --port first")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    ap.add_argument("--text-prompts", action="store_true",
+                    help="text prompts, EOS suppressed by logit_bias, tokens counted per chunk "
+                         "(for llama-cpp-python's server)")
     ap.add_argument("serve_args", nargs="*", help="extra flags for `kvrelay serve` (after --)")
     args = ap.parse_args()
     proc = spawn_server(args.port, args.serve_args) if args.spawn else None
     url = f"http://127.0.0.1:{args.port}" if args.spawn else args.url.rstrip("/")
     try:
         names = ["a", "b"] if args.workload == "all" else [args.workload]
-        rows = [asyncio.run(run_workload(url, n)) for n in names]
+        text = TextPrompts.default_model() if args.text_prompts else None
+        rows = [asyncio.run(run_workload(url, n, text=text)) for n in names]
     finally:
         if proc is not None:
             proc.terminate()

@@ -191,7 +191,10 @@ def judge(ep: Episode, refs: dict[int, str], role_of: dict[str, str]) -> float:
             phase = f.on_worker.get(c.rid or "")
             if f.sharp and phase is not None:
                 sharp = f.t0 + BOUND[f.bound_key(role_of[f.worker])] + SLACK
-                bounds.append(sharp + (own if phase == "dispatched" else 0.0))
+                # A request answered ok after the fault hit its worker was retried on another
+                # pair (it had no token yet), whatever phase it was in: its own budget again.
+                retried = phase == "dispatched" or c.outcome == "ok"
+                bounds.append(sharp + (own if retried else 0.0))
         bound = c.bound = min(bounds)
         took, allowed = c.t_end - c.t_start, bound - c.t_start
         worst = max(worst, (took, allowed), key=lambda w: w[0] / w[1])

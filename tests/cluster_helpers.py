@@ -26,8 +26,10 @@ LIFECYCLE_FLAGS = ("--heartbeat-interval", "0.5", "--heartbeat-misses", "3", "--
 LEASE = 0.5 * 3
 QUARANTINE_S = 60 + 1 + 5   # --transfer-timeout + --quarantine-grace above, + slack
 # The router holds each worker under a lease of its own: no good health check for
-# --health-interval x --health-misses seconds and every leg open there fails.
-HEALTH_INTERVAL, HEALTH_MISSES = 0.5, 3
+# --health-interval x --health-misses seconds and every leg open there fails. 3 s and a
+# 2 s check timeout, as the defaults: a 1.5 s lease with a 1 s timeout expired on healthy
+# workers of a loaded 2-core CI machine (64 concurrent streams, a 2 Mbit/s netns link).
+HEALTH_INTERVAL, HEALTH_MISSES, HEALTH_TIMEOUT = 0.5, 6, 2.0
 ROUTER_LEASE = HEALTH_INTERVAL * HEALTH_MISSES
 
 
@@ -90,7 +92,7 @@ class Cluster:
         self.decode = [Proc(f"decode-{i}", ["decode", *worker], free_port(), self.dir) for i in range(num_decode)]
         router = ["router", *model_args, "--prefill", *[p.url for p in self.prefill],
                   "--decode", *[d.url for d in self.decode], "--health-interval", str(HEALTH_INTERVAL),
-                  "--health-misses", str(HEALTH_MISSES), "--health-timeout", "1",
+                  "--health-misses", str(HEALTH_MISSES), "--health-timeout", str(HEALTH_TIMEOUT),
                   "--request-timeout", "120"]
         self.router = Proc("router", router, free_port(), self.dir)
 

@@ -44,6 +44,7 @@ import httpx
 
 from kvrelay.cli import build_parser, config_from_args
 from kvrelay.core.config import KVRelayConfig, LifecycleConfig, ModelOptions, SchedulerConfig, TransferConfig
+from kvrelay.engine import kernels
 from serving_helpers import assert_no_leak, free_port
 
 
@@ -320,8 +321,9 @@ def test_serve_starts_its_workers_serves_and_a_signal_stops_every_child(serve, s
     assert s.out.read_text().splitlines() == [banner]
     err = s.stderr()
     assert "Traceback" not in err, err
-    assert f"[prefill-0] kvrelay prefill: model {model} (float32), KV capacity 4096 tokens" in err
-    assert f"[decode-0] kvrelay decode: model {model} (float32), KV capacity 4096 tokens" in err
+    for role in ("prefill", "decode"):
+        line = re.search(rf"\[{role}-0\] kvrelay {role}: model {model} \((.*?)\), KV capacity 4096 tokens", err)
+        assert line is not None and line[1] == f"float32, kernels {kernels.isa()}, weights same", err
     assert "outcome=success reason=length" in err
     # progress while it starts, in order: the workers and their ports, each worker ready
     progress = [ln.split(" INFO kvrelay.serve ", 1)[1] for ln in err.splitlines() if " INFO kvrelay.serve " in ln]

@@ -1,6 +1,7 @@
 """End to end on the real default model: `kvrelay serve` (the local cluster, as `make run`
-starts it) answers the official openai client, and for 20 prompts its greedy output is
-token for token what `kvrelay serve --mode colocated` produces, on every transfer backend."""
+starts it) answers the official openai client, and its greedy output is token for token
+what `kvrelay serve --mode colocated` produces, on every transfer backend (20 prompts on
+shm, 10 each on tcp and nixl)."""
 from __future__ import annotations
 
 import httpx
@@ -22,11 +23,11 @@ MAX_TOKENS = 24
 SERVER_ARGS = ("--max-kv-tokens", "16384")
 
 
-def greedy_outputs(url: str) -> list[list[int]]:
+def greedy_outputs(url: str, prompts: list[str] = PROMPTS) -> list[list[int]]:
     """One prompt at a time, so both modes run the very same batch shapes."""
     out = []
     with httpx.Client(timeout=120) as client:
-        for prompt in PROMPTS:
+        for prompt in prompts:
             r = client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": MAX_TOKENS,
                                                            "temperature": 0, "logprobs": 0})
             assert r.status_code == 200, r.text
@@ -57,10 +58,13 @@ def test_local_cluster_answers_the_openai_client():
         assert_no_leak(url)
 
 
-@pytest.mark.parametrize("backend", ["shm", "tcp", "nixl"])
-def test_same_tokens_as_colocated(backend, colocated_tokens):
+# shm, the default, on every prompt; the other backends carry the same pages on half of them.
+@pytest.mark.parametrize("backend,prompts", [("shm", PROMPTS), ("tcp", PROMPTS[::2]), ("nixl", PROMPTS[1::2])])
+def test_same_tokens_as_colocated(backend, prompts, colocated_tokens):
     with running_server("--transfer-backend", backend, *SERVER_ARGS) as url:
-        got = greedy_outputs(url)
+        got = greedy_outputs(url, prompts)
         assert_no_leak(url)
-    for prompt, want, have in zip(PROMPTS, colocated_tokens, got):
-        assert have == want, prompt
+    assert len(got) == len(prompts)
+    want = dict(zip(PROMPTS, colocated_tokens))
+    for prompt, have in zip(prompts, got):
+        assert have == want[prompt], prompt

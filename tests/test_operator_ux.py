@@ -125,7 +125,8 @@ def test_help_lists_every_flags_choices_and_default():
             checked += 1
     assert checked > 100
     serve = " ".join(subparsers["serve"].format_help().split())
-    assert "--dtype {float32,bfloat16} compute and KV dtype (choices: float32, bfloat16; default: bfloat16)" in serve
+    assert "--dtype {auto,float32,bfloat16} compute and KV dtype;" in serve
+    assert "(choices: auto, float32, bfloat16; default: auto)" in serve
     assert "--transfer-backend {shm,tcp,nixl,fake}" in serve and "(choices: text, json; default: text)" in serve
     assert "--worker-base-port INT" in serve and "default: --port + 1" in serve
 
@@ -321,7 +322,7 @@ def test_colocated_from_an_hf_id_json_logs_access_rid_and_a_true_serving_line(tm
         _, miss_err = miss.communicate(timeout=120)
     assert refused >= 1
     banner = out_path.read_text().strip()
-    assert banner.startswith(f"kvrelay colocated: model {HF_ID} (float32)") and banner.endswith(f"serving on {url}")
+    assert banner.startswith(f"kvrelay colocated: model {HF_ID} (float32, kernels ") and banner.endswith(f"serving on {url}")
     assert models.status_code == 200 and models.json()["data"][0]["id"] == HF_ID
     assert done.status_code == 200, done.text
     assert done.json()["usage"]["completion_tokens"] == 3

@@ -23,6 +23,7 @@ from kvrelay.core.config import (KVCacheConfig, KVRelayConfig, LifecycleConfig, 
                                  SecurityConfig, ServerConfig, TransferConfig)
 from kvrelay.core.keys import ENV as KEY_ENV
 from kvrelay.core.keys import ClusterKey
+from kvrelay.engine import kernels
 from kvrelay.obs.metrics import ServingMetrics
 from kvrelay.server.errors import OpenAIError, StartupError, install_handlers
 from kvrelay.server.security import Gate, api_gate, auth_headers, check_worker, guard, load_cluster_key, worker_gate
@@ -87,7 +88,7 @@ async def test_with_api_keys_every_route_but_health_and_metrics_needs_one(tiny_e
                 assert_401(r)
         # A body over the size limit is refused as unauthenticated before it is read.
         assert_401(await c.post(C, content=b"x" * (5 << 20), headers={"content-type": "application/json"}))
-        assert (await c.get("/health")).json() == {"status": "ok"}
+        assert (await c.get("/health")).json()["status"] == "ok"
         assert (await c.get("/metrics")).status_code == 200
     for key in ("key-one", "key-two"):
         async with client(app, key) as c:
@@ -288,7 +289,9 @@ async def test_a_worker_with_a_key_answers_only_the_routers_token(engines):
             assert health.status_code == 200 and health.json()["auth"] == "refused"
             assert (await w.get("/metrics")).status_code == 200
     async with client(prefill, token) as w:
-        assert (await w.get("/health")).json()["auth"] == "ok"
+        health = (await w.get("/health")).json()
+        assert health["auth"] == "ok" and health["kernels"] in kernels.available_isas()
+        assert health["dtype"] in ("float32", "bfloat16") and health["weights"]
         assert (await w.post("/abort", json={"rid": "nope"})).json() == {"aborted": False}
         assert (await w.get("/debug/requests")).json()["count"] == 0
         assert (await w.post("/debug/faults", json={"spec": ""})).json() == {"spec": ""}

@@ -60,7 +60,7 @@ def test_a_prefill_longer_than_every_lease_under_load_fails_nothing(slow_cluster
     assert got["error"] is None and got["tokens"] >= 1, got
     # The prefill really outlasted both leases, so a busy loop that stopped heartbeating or
     # answering health checks would have been declared dead.
-    assert got["ttft"] > 2 * max(LEASE, ROUTER_LEASE), got
+    assert got["ttft"] > max(LEASE, ROUTER_LEASE) + 1.0, got
     assert all(r["error"] is None and r["tokens"] >= 1 for r in results), results
     for p in [c.router, *c.workers]:
         assert finished(p.url, reason="peer_failed") == 0, p.name

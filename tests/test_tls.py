@@ -71,7 +71,7 @@ def test_the_api_over_https_is_trusted_only_by_clients_that_trust_its_ca(tiny_en
         assert url.startswith("https://127.0.0.1:")
         trusting = ssl.create_default_context(cafile=pki["ca"])
         with httpx.Client(base_url=url, verify=trusting, timeout=60) as c:
-            assert c.get("/health").json() == {"status": "ok"}
+            assert c.get("/health").json()["status"] == "ok"
             assert c.get("/v1/models").status_code == 401
             r = c.post("/v1/completions", json={"prompt": "over TLS", "max_tokens": 3, "ignore_eos": True},
                        headers={"Authorization": "Bearer tls-key"})

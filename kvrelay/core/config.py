@@ -28,7 +28,16 @@ class ModelOptions:
     model: str = _f(DEFAULT_MODEL, "model to serve: the built-in default, a .gguf file, a Hugging Face "
                     "directory (config.json + *.safetensors + tokenizer), a Hugging Face id (owner/name) "
                     "already in the local Hugging Face cache, or random:<config.json>")
-    dtype: str = _f("bfloat16", "compute and KV dtype", choices=("float32", "bfloat16"))
+    dtype: str = _f("auto", "compute and KV dtype; auto: bfloat16 where the CPU computes it natively "
+                    "(AVX-512 BF16), else float32 with the weights stored as bfloat16 (docs/performance.md)",
+                    choices=("auto", "float32", "bfloat16"))
+    kernels: str = _f("auto", "native kernel variant: auto picks the best this CPU runs (cpuid) unless "
+                      "KVRELAY_ISA names one; a variant the CPU lacks is refused; torch runs no native kernels",
+                      choices=("auto", "avx512_bf16", "avx512_vnni", "avx2", "torch"))
+    quantization: str = _f("none", "weights kept quantized: int8 (per output channel) or int4 (per group) "
+                           "quantized at load, or gguf (the file's own Q8_0/Q4_0/Q4_1 blocks)",
+                           choices=("none", "int8", "int4", "gguf"))
+    quant_group_size: int = _f(32, "int4: weights per scale along the input dimension")
     served_model_name: str | None = _f(None, "model name reported by the API (default: derived from --model)")
     seed: int = _f(0, "seed for random-weight models")
 
@@ -38,11 +47,16 @@ class KVCacheConfig:
     page_size: int = _f(16, "tokens per KV page")
     max_kv_tokens: int | None = _f(None, "KV capacity in tokens (overrides --kv-cache-gb)")
     kv_cache_gb: float = _f(1.0, "KV capacity in GiB when --max-kv-tokens is not given")
+    kv_cache_dtype: str = _f("auto", "how the KV cache stores keys and values: auto (the compute dtype), or "
+                             "8-bit with a float32 scale per token and head (about half the bytes per token: "
+                             "twice the capacity, half the transfer); prefill and decode workers must agree",
+                             choices=("auto", "int8", "fp8_e4m3"))
 
     def __post_init__(self) -> None:
         _require(self.page_size >= 1, "--page-size must be at least 1")
         _require(self.max_kv_tokens is None or self.max_kv_tokens >= 1, "--max-kv-tokens must be at least 1")
         _require(self.kv_cache_gb > 0, "--kv-cache-gb must be positive")
+        _require(self.kv_cache_dtype in ("auto", "int8", "fp8_e4m3"), "--kv-cache-dtype must be auto, int8 or fp8_e4m3")
 
 
 @dataclass(frozen=True)

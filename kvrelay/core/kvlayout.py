@@ -5,12 +5,23 @@ page holds, for every layer, K then V, each head-major over `page_size` tokens:
     [num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]
 so one page is one contiguous run of `page_bytes` bytes, and a page set moves as a list
 of (offset, length) runs without knowing anything about tensors.
+
+An 8-bit KV cache (`kv_dtype` int8 or fp8_e4m3) stores each token's key or value vector of
+one head quantized with its own float32 scale (x ~ q * scale), and the scales travel inside
+the page, after its values:
+    values [num_layers, 2, num_kv_heads, page_size, head_dim]  (1 byte each)
+    scales [num_layers, 2, num_kv_heads, page_size]            (float32)
+A vector is quantized once, when its token is written, and never again; every transfer
+backend moves the scales with the values because they are bytes of the same page.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}     # compute dtypes
+QUANTIZED_KV = ("int8", "fp8_e4m3")
+KV_DTYPE_BYTES = {**DTYPE_BYTES, "int8": 1, "fp8_e4m3": 1}
+SCALE_BYTES = 4  # one float32 scale per (layer, K|V, head, token slot) of an 8-bit page
 
 
 @dataclass(frozen=True)
@@ -21,11 +32,37 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    kv_dtype: str = ""  # how the cache stores K/V: "" means `dtype`, else one of KV_DTYPE_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.kv_dtype:
+            object.__setattr__(self, "kv_dtype", self.dtype)
+        if self.kv_dtype not in KV_DTYPE_BYTES:
+            raise ValueError(f"unknown KV cache dtype {self.kv_dtype!r}; choose one of {', '.join(KV_DTYPE_BYTES)}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype in QUANTIZED_KV
+
+    @property
+    def vectors(self) -> int:
+        """Key and value vectors per page: (layer, K|V, head, token slot)."""
+        return self.num_layers * 2 * self.num_kv_heads * self.page_size
+
+    @property
+    def scales_offset(self) -> int:
+        """Where a page's scales start (8-bit only): after its values, aligned for float32."""
+        values = self.vectors * self.head_dim * KV_DTYPE_BYTES[self.kv_dtype]
+        return -(-values // SCALE_BYTES) * SCALE_BYTES
 
     @property
     def page_bytes(self) -> int:
-        return (self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim
-                * DTYPE_BYTES[self.dtype])
+        return self.scales_offset + (self.vectors * SCALE_BYTES if self.quantized else 0)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of KV cache per token (all layers, K and V, scales included)."""
+        return self.page_bytes // self.page_size
 
     def mismatches(self, other: "KVLayout") -> list[str]:
         """Names of the fields that differ, for a rendezvous error that names them."""

@@ -39,9 +39,9 @@ from typing import Annotated, Any, ClassVar, Literal, Union, get_args
 
 from pydantic import (AfterValidator, BeforeValidator, ConfigDict, Field, PlainSerializer, TypeAdapter,
                       ValidationError, with_config)
-from typing_extensions import TypedDict  # pydantic needs it (not typing's) before Python 3.12
+from typing_extensions import NotRequired, TypedDict  # pydantic needs it (not typing's) before Python 3.12
 
-from kvrelay.core.kvlayout import DTYPE_BYTES, KVLayout
+from kvrelay.core.kvlayout import DTYPE_BYTES, KV_DTYPE_BYTES, KVLayout
 
 WIRE_VERSION = 1
 
@@ -119,6 +119,8 @@ Name = Annotated[str, Field(strict=True, max_length=MAX_NAME), _UTF8]
 Number = Annotated[float, Field(strict=True), AfterValidator(_not_nan)]  # an int becomes a float; inf passes
 Dtype = Literal["float32", "bfloat16", "float16"]
 assert set(get_args(Dtype)) == set(DTYPE_BYTES)
+KVDtype = Literal["float32", "bfloat16", "float16", "int8", "fp8_e4m3"]
+assert set(get_args(KVDtype)) == set(KV_DTYPE_BYTES)
 
 
 @with_config(ConfigDict(extra="forbid"))
@@ -130,6 +132,7 @@ class Layout(TypedDict):
     num_layers: Annotated[int, Field(strict=True, ge=1, le=1 << 12)]
     num_kv_heads: Annotated[int, Field(strict=True, ge=1, le=1 << 12)]
     head_dim: Annotated[int, Field(strict=True, ge=1, le=1 << 16)]
+    kv_dtype: NotRequired[KVDtype]   # absent: the same as dtype
 
 
 Endpoint = Annotated[dict[Annotated[str, Field(strict=True, max_length=64), _UTF8],

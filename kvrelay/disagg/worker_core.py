@@ -74,7 +74,7 @@ class WorkerCore(EngineCore):
                  channel: Channel | None = None) -> None:
         """`cluster_key`: sign and verify every control frame with it (disagg.auth).
         `channel`: the control channel to use instead of a zmq one (the simulation's)."""
-        layout = kv_layout_for(loaded, kv_cfg.page_size)
+        layout = kv_layout_for(loaded, kv_cfg.page_size, kv_cfg.kv_cache_dtype)
         self.lifecycle_cfg, self.transfer_cfg = lifecycle_cfg, transfer_cfg
         auth = ChannelAuth(cluster_key.control_key, replay_window) if cluster_key is not None else None
         extra = {k: v for k, v in (("clock", clock), ("channel", channel)) if v is not None}
@@ -233,7 +233,8 @@ class WorkerCore(EngineCore):
                 "model": self.loaded.name, "max_model_len": self.max_model_len,
                 "transfer_backend": self.manager.name, "transfer_address": self.manager.address,
                 "live_requests": len(self.side.lc.rooms), "queued_requests": self.queued_requests(),
-                "free_pages": self.allocator.num_free, "total_pages": self.allocator.num_total}
+                "free_pages": self.allocator.num_free, "total_pages": self.allocator.num_total,
+                **self.loaded.compute_info()}
 
     def check_idle(self) -> None:
         super().check_idle()

@@ -18,7 +18,7 @@ from kvrelay.core.kvlayout import KVLayout
 from kvrelay.engine.allocator import PageAllocator
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.grammar import GrammarCompiler
-from kvrelay.engine.kv_pool import KVPool
+from kvrelay.engine.kv_pool import kv_pool_for
 from kvrelay.engine.request import Req, ReqStatus, choice_params
 from kvrelay.engine.runner import ModelRunner, SeqChunk
 from kvrelay.engine.sampling import SampleResult, Sampler, SamplingState, validate_params
@@ -30,10 +30,11 @@ log = logging.getLogger("kvrelay.engine")
 Sink = Callable[[StepOutput], None]
 
 
-def kv_layout_for(loaded, page_size: int) -> KVLayout:
+def kv_layout_for(loaded, page_size: int, kv_dtype: str = "auto") -> KVLayout:
     arch = loaded.arch
     return KVLayout(model_id=loaded.name, dtype=loaded.dtype, page_size=page_size,
-                    num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim)
+                    num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+                    kv_dtype="" if kv_dtype == "auto" else kv_dtype)
 
 
 def num_pages_for(cfg: KVCacheConfig, layout: KVLayout) -> int:
@@ -53,8 +54,8 @@ class EngineCore:
         self.loaded = loaded
         self.metrics = metrics
         self.clock = clock or MonotonicClock()
-        self.layout = kv_layout_for(loaded, kv_cfg.page_size)
-        self.kv = KVPool(self.layout, num_pages_for(kv_cfg, self.layout), kv_buffer)
+        self.layout = kv_layout_for(loaded, kv_cfg.page_size, kv_cfg.kv_cache_dtype)
+        self.kv = kv_pool_for(self.layout, num_pages_for(kv_cfg, self.layout), kv_buffer)
         self.allocator = PageAllocator(self.kv.num_pages)
         self.scheduler = Scheduler(sched_cfg, self.allocator, kv_cfg.page_size)
         self.runner = (loaded.make_runner or ModelRunner)(loaded.model, self.kv)

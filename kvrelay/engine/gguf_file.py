@@ -114,6 +114,11 @@ class GGUFFile:
             raise GGUFFormatError(f"tensor {name}: row of {dims[0]} is not whole blocks of {block}")
         return name, qtype, tuple(reversed(dims)), offset, prod(dims) // block * type_size
 
+    def blocks(self, t: TensorInfo) -> np.ndarray:
+        """The tensor's bytes as stored, uint8 [rows, bytes per row] (a fresh copy)."""
+        rows = prod(t.shape[:-1])
+        return np.array(self._map[t.start:t.start + t.nbytes]).reshape(rows, t.nbytes // rows)
+
     def read(self, t: TensorInfo) -> np.ndarray:
         """The tensor as float32, shape `t.shape` (a fresh, writable array)."""
         from gguf.constants import GGMLQuantizationType

@@ -4,14 +4,41 @@ The buffer may be provided by the caller (e.g. a shared-memory segment, so a one
 transfer backend can write pages straight in); otherwise it is allocated here. The pool
 knows nothing about ownership: `engine.allocator.PageAllocator` decides which pages a
 request holds.
+
+`kv_pool_for` picks the pool for a layout: `KVPool` stores K/V in the compute dtype,
+`QuantizedKVPool` in 8 bits with a scale per vector inside each page.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from kvrelay.core.kvlayout import KVLayout
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV8_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+KV8_MAX = {"int8": 127.0, "fp8_e4m3": 448.0}   # the largest magnitude each format holds
+
+
+def kv_pool_for(layout: KVLayout, num_pages: int, buffer: memoryview | None = None) -> "KVPool":
+    return (QuantizedKVPool if layout.quantized else KVPool)(layout, num_pages, buffer)
+
+
+def quantize(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (q [..., D] in the 8-bit dtype, scale [...] float32) with x ~ q * scale:
+    symmetric, one scale per vector, its largest magnitude mapped to the format's largest
+    (int8 rounds to nearest: error <= scale / 2; fp8 keeps 3 mantissa bits: <= 1/16 relative)."""
+    x = x.float()
+    scale = x.abs().amax(-1).div_(KV8_MAX[kv_dtype]).clamp_(min=torch.finfo(torch.float32).tiny)
+    y = x / scale[..., None]
+    if kv_dtype == "int8":
+        return y.round_().clamp_(-127, 127).to(torch.int8), scale
+    return y.clamp_(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale[..., None]).to(dtype)
 
 
 class KVPool:
@@ -26,6 +53,10 @@ class KVPool:
                 raise ValueError(f"KV buffer holds {len(buffer)} bytes, need {nbytes}")
             flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
         self._bytes = flat
+        self._views(flat)
+
+    def _views(self, flat: torch.Tensor) -> None:
+        num_pages, layout = self.num_pages, self.layout
         L, S, H, D = layout.num_layers, layout.page_size, layout.num_kv_heads, layout.head_dim
         self.data = flat.view(TORCH_DTYPES[layout.dtype]).view(num_pages, L, 2, H, S, D)
         # One row per (page, layer, K|V, head): a head's keys or values for a whole page.
@@ -52,7 +83,8 @@ class KVPool:
         return ((page_table.flatten() * (L * 2 * H))[None, :] + self._heads[:, None]).flatten()
 
     def write(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [T, H, D] at `slot_ids` (from `slot_ids()`) of `layer`."""
+        """Store k, v [T, H, D] at `slot_ids` (from `slot_ids()`) of `layer`. None: the cache
+        holds them exactly (an 8-bit pool returns a function that gives what it holds)."""
         slots, k_base, v_off = self.store_target(layer)
         D = self.layout.head_dim
         k_slots = slot_ids + k_base
@@ -98,3 +130,58 @@ class KVPool:
             raise ValueError(f"{len(data)} bytes for {len(page_ids)} pages of {self.page_bytes}")
         src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(len(page_ids), self.page_bytes)
         self._bytes.view(self.num_pages, self.page_bytes)[torch.tensor(page_ids, dtype=torch.long)] = src
+
+
+class QuantizedKVPool(KVPool):
+    """K/V in 8 bits (int8 or fp8_e4m3), one float32 scale per (layer, K|V, head, token slot)
+    inside each page (`core.kvlayout`). `write` quantizes, `gather` dequantizes to the
+    compute dtype. Addressing goes through strided views of the pages (values and scales
+    interleave page by page), so a write address is (pages, offsets) and a read address is
+    the page ids themselves."""
+
+    def _views(self, flat: torch.Tensor) -> None:
+        layout, n = self.layout, self.num_pages
+        L, S, H, D = layout.num_layers, layout.page_size, layout.num_kv_heads, layout.head_dim
+        pages = flat.view(n, layout.page_bytes)
+        self._raw = pages[:, :layout.vectors * D].view(n, L, 2, H, S, D)        # uint8
+        self.data = self._raw.view(KV8_DTYPES[layout.kv_dtype])                   # [pages, L, 2, H, S, D]
+        self.scales = pages[:, layout.scales_offset:].view(torch.float32).view(n, L, 2, H, S)
+        self.compute_dtype = TORCH_DTYPES[layout.dtype]
+        self._heads, self._kv = torch.arange(H), torch.arange(2)
+
+    def slot_ids(self, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The write address [2, T] of tokens at (pages[t], offsets[t])."""
+        return torch.stack((pages, offsets))
+
+    def row_ids(self, page_table: torch.Tensor) -> torch.Tensor:
+        """The read address of page_table [B, pages]: its page ids, flat."""
+        return page_table.flatten()
+
+    def write(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """Quantize and store k, v [T, H, D] at `slot_ids` (from `slot_ids()`) of `layer`.
+        Returns a function that gives them as the cache now holds them (dequantized, in the
+        compute dtype), for a pass that attends over its own keys without reading the pool."""
+        pages, offsets = slot_ids
+        q, scale = quantize(torch.stack((k, v), 1), self.layout.kv_dtype)    # [T, 2, H, D], [T, 2, H]
+        at = (pages[:, None, None], self._kv[None, :, None], self._heads[None, None, :], offsets[:, None, None])
+        self._raw[:, layer].index_put_(at, q.view(torch.uint8))
+        self.scales[:, layer].index_put_(at, scale)
+
+        def held() -> tuple[torch.Tensor, torch.Tensor]:
+            x = dequantize(q, scale, self.compute_dtype)
+            return x[:, 0], x[:, 1]
+        return held
+
+    def store_target(self, layer: int):
+        raise NotImplementedError("an 8-bit KV pool stores through write(), which quantizes")
+
+    def gather(self, layer: int, row_ids: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` in pages `row_ids` (from `row_ids()`), dequantized, each
+        [H, batch, pages * S, D] like `KVPool.gather`."""
+        H, D = self.layout.num_kv_heads, self.layout.head_dim
+        q = self.data[:, layer].index_select(0, row_ids)          # [B * pages, 2, H, S, D]
+        scale = self.scales[:, layer].index_select(0, row_ids)
+        x = dequantize(q, scale, self.compute_dtype).view(batch, -1, 2, H, self.layout.page_size, D)
+        x = x.permute(2, 3, 0, 1, 4, 5).reshape(2, H, batch, -1, D)
+        return x[0], x[1]

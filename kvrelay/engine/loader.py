@@ -18,7 +18,7 @@ import importlib.util
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterator
@@ -26,10 +26,12 @@ from typing import Callable, Iterator
 import torch
 
 from kvrelay.core.config import DEFAULT_MODEL, ModelOptions
+from kvrelay.engine import kernels
 from kvrelay.engine.gguf_file import GGUFFile, GGUFFormatError
 from kvrelay.engine.kv_pool import TORCH_DTYPES
 from kvrelay.engine.models import MODELS  # importing the package registers every architecture
 from kvrelay.engine.models.base import ArchConfig, CausalLM, ModelLoadError
+from kvrelay.engine.models.linear import QUANTIZED, WeightFormat
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -52,16 +54,49 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]  # the tokenizer's EOS first
     chat_template: str | None
     name: str                       # served model name
-    dtype: str
+    dtype: str                      # the compute and KV dtype (--dtype auto resolved)
     max_model_len: int
     # (model, kv pool) -> what runs the forward passes (`runner.ModelRunner`'s interface);
     # None: ModelRunner. The simulation's stand-in model brings its own (kvrelay.sim.model).
     make_runner: Callable | None = None
+    weights: str = "same"           # WeightFormat.store: how the weights are kept in memory
+    kernels: str = "torch"          # the native kernel variant the model was packed for
+
+    def compute_info(self) -> dict[str, str]:
+        """What computes: reported at start-up and by /health."""
+        return {"kernels": self.kernels, "dtype": self.dtype, "weights": self.weights}
+
+
+def resolve_dtype(dtype: str, device: str = "cpu") -> str:
+    """--dtype auto: bfloat16 where the CPU computes it natively (the avx512_bf16 kernels
+    run), else float32 (weights then stay bfloat16 in memory: `weight_format`)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device != "cpu" or kernels.isa() == "avx512_bf16" else "float32"
+
+
+def weight_format(opts: ModelOptions, dtype: str) -> WeightFormat:
+    """How the loaded weights are kept, computing in `dtype` (opts.dtype resolved)."""
+    compute = TORCH_DTYPES[dtype]
+    if opts.quantization != "none":
+        return WeightFormat(compute, opts.quantization, opts.quant_group_size)
+    return WeightFormat(compute, "bf16" if dtype == "float32" and opts.dtype == "auto" else "same")
 
 
 def load_model(opts: ModelOptions, progress: Progress | None = None, device: str = "cpu") -> LoadedModel:
-    if opts.dtype not in ("float32", "bfloat16"):
-        raise ModelLoadError(f"unsupported dtype {opts.dtype!r}; choose float32 or bfloat16")
+    """Load `opts.model`. The kernel variant (`--kernels`) is chosen first: the dtype and the
+    packed weights depend on it."""
+    try:
+        kernels.select_isa(kernels.requested() if opts.kernels == "auto" else opts.kernels)
+    except kernels.IsaUnavailable as exc:
+        raise ModelLoadError(str(exc)) from None
+    if opts.dtype not in ("auto", "float32", "bfloat16"):
+        raise ModelLoadError(f"unsupported dtype {opts.dtype!r}; choose auto, float32 or bfloat16")
+    if opts.quantization not in ("none", *QUANTIZED):
+        raise ModelLoadError(f"unsupported quantization {opts.quantization!r}; choose none, int8, int4 or gguf")
+    dtype = resolve_dtype(opts.dtype, device)
+    fmt = weight_format(opts, dtype)
+    opts = replace(opts, dtype=dtype)
     spec = opts.model
     if spec == DEFAULT_MODEL:
         loaded = _load_gguf(default_gguf_path(), opts, progress, device, name=DEFAULT_MODEL)
@@ -76,7 +111,8 @@ def load_model(opts: ModelOptions, progress: Progress | None = None, device: str
             loaded.name = spec
     if opts.served_model_name:
         loaded.name = opts.served_model_name
-    loaded.model.prepare()
+    loaded.model.prepare(fmt)
+    loaded.weights, loaded.kernels = fmt.store, kernels.isa()
     return loaded
 
 
@@ -451,4 +487,14 @@ def _load_gguf(path: Path, opts: ModelOptions, progress, device, name: str) -> L
     model = _build_model(arch, opts.dtype, device)
     total, named = _gguf_tensors(reader, cfg, path)
     model.load_weights(_counted(named, total, progress))
+    if opts.quantization == "gguf":   # each Linear also keeps its blocks as stored, rows un-permuted
+        from kvrelay.engine.models.quant_linear import attach_gguf_raw
+        heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+        permute = cfg.model_type in ("llama", "mistral")
+
+        def raw(t):
+            rows, kind = torch.from_numpy(reader.blocks(t)), t.name.split(".")[2] if t.name.startswith("blk.") else ""
+            return _hf_name(t.name), t.qtype, _unpermute_qk(rows, heads[kind]) if permute and kind in heads else rows
+        attach_gguf_raw(model, (raw(t) for t in reader.tensors if len(t.shape) == 2),
+                        getattr(model, "_fused_slices", dict)())
     return _finish(model, arch, cfg, tokenizer, name, opts)

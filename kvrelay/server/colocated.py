@@ -23,7 +23,7 @@ def colocated_app(engine: AsyncEngine, gate: Gate | None = None, allowed_origins
         return await engine.acall(lambda core: core.debug_rows())
 
     return build_openai_app(engine, extra_routes=[observability_router(metrics, debug_rows)], gate=gate,
-                            allowed_origins=allowed_origins)
+                            allowed_origins=allowed_origins, health_info=engine.core.loaded.compute_info())
 
 
 def serve_colocated(config: KVRelayConfig) -> None:

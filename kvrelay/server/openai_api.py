@@ -34,16 +34,18 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def build_openai_app(client: EngineClient, *, extra_routes: Iterable[APIRouter | BaseRoute] | None = None,
-                     gate: Gate | None = None, allowed_origins: Sequence[str] = ()) -> FastAPI:
+                     gate: Gate | None = None, allowed_origins: Sequence[str] = (),
+                     health_info: dict[str, str] | None = None) -> FastAPI:
     """The API app. `extra_routes` (routers or single routes: /metrics, /debug/requests,
     /abort, ...) are mounted beside the OpenAI routes. `gate`: the API keys and per-key
     limit every route but /health and /metrics is behind (`security.api_gate`).
-    `allowed_origins`: CORS (`--allowed-origins`; none: no CORS headers)."""
+    `allowed_origins`: CORS (`--allowed-origins`; none: no CORS headers). `health_info`:
+    what /health reports beside its status (a colocated server: what computes)."""
     app = FastAPI(title="kvrelay", summary="OpenAI-compatible API of a kvrelay server")
     install_handlers(app)
     guard(app, gate)
     http_headers.install(app, allowed_origins)
-    serving = OpenAIServing(client)
+    serving = OpenAIServing(client, health_info or {})
     app.include_router(serving.router())
     app.include_router(utility_router(serving))
     for route in extra_routes or ():
@@ -62,8 +64,9 @@ class OpenAIServing:
     """The routes. Tokenizing runs on the event loop: it is short next to a forward pass,
     and one Hugging Face tokenizer is not safe to share between threads."""
 
-    def __init__(self, client: EngineClient) -> None:
+    def __init__(self, client: EngineClient, health_info: dict[str, str] | None = None) -> None:
         self.client = client
+        self.health_info = health_info or {}
         self.tok = client.tokenizer()
         self.piece: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
 
@@ -80,7 +83,7 @@ class OpenAIServing:
         return r
 
     async def health(self) -> dict[str, str]:
-        return {"status": "ok"}
+        return {"status": "ok", **self.health_info}
 
     def _card(self) -> ModelCard:
         return ModelCard(id=self.client.model_name, max_model_len=self.client.max_model_len)

@@ -163,6 +163,10 @@ class WorkerHealth(BaseModel):
     queued_requests: int       # rooms not yet computing (P: bootstrap+queued; D: bootstrap+waiting)
     free_pages: int
     total_pages: int
+    # What computes (`LoadedModel.compute_info`): the kernel variant, dtype, weight storage.
+    kernels: str = ""
+    dtype: str = ""
+    weights: str = ""
     # Whether the caller's credential was right (`security.AUTH_SCOPE`): "off" (the worker
     # has no cluster key), "ok", or "refused" (the worker expects another cluster key).
     auth: Literal["off", "ok", "refused"] = "off"

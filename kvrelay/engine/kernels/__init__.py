@@ -1,54 +1,19 @@
-"""Native kernels, compiled on first use with the machine's C compiler (`cc`, -O3
--march=native) into a per-user cache, and loaded with ctypes. Everything here has a
-pure-torch fallback: when no compiler is found, the build fails, or KVRELAY_NATIVE=0,
-`paged_decode()` returns None and the model uses torch ops instead.
+"""Native kernels in C, loaded with ctypes from the variant `variants.py` picks for this CPU
+(AVX-512 BF16, AVX-512 VNNI or AVX2; built on first use into a per-user cache). Everything
+here has a pure-torch fallback: each factory below returns None when no variant runs or the
+active one lacks that kernel, and the model uses torch ops instead.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from functools import lru_cache
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger("kvrelay.kernels")
-SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "elementwise.c", "gemm_bf16.c")]
-HEADERS = [Path(__file__).with_name(n) for n in ("bf16.h", "paged_attention_avx512.h", "prefill_attention_avx512.h")]
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-fopenmp"]
+from kvrelay.engine.kernels.variants import (  # noqa: F401  (the kernels' public API)
+    SOURCES, IsaUnavailable, available_isas, cache_dir, cpu_features, isa, missing, native_library, per_isa,
+    requested, select_isa)
+
 _I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("KVRELAY_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvrelay")
-    return Path(base) / "kernels"
-
-
-def _build() -> Path | None:
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        log.warning("no C compiler found: using the torch fallbacks")
-        return None
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join([cc, *FLAGS]).encode())
-    target = cache_dir() / f"kvrelay-kernels-{digest.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    proc = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        log.warning("building the native kernels failed; using the torch fallbacks:\n%s", proc.stderr)
-        return None
-    os.replace(tmp, target)  # atomic: concurrent builders never load a half-written file
-    return target
 
 
 class PagedDecode:
@@ -87,33 +52,35 @@ class PagedDecode:
 class PagedPrefill:
     """`__call__` computes one layer's attention for a prefill pass (every query row sees
     the keys up to its own position, cached prefix included) from the pool, in place of
-    gathering the pages and torch's flash kernel (~3x faster here). bfloat16 on CPUs with
-    AVX-512 BF16 only: `paged_prefill()` is None elsewhere."""
+    gathering the pages and torch's flash kernel (~3x faster here). bfloat16 through
+    vdpbf16ps on CPUs with AVX-512 BF16; float32, and bfloat16 widened to float32, on
+    every variant (AVX-512F or AVX2, prefill_attention_f32.h)."""
 
     head_dims = (64, 128)
     max_group = 16
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.paged_prefill_bf16
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [_P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32]
+        self._fns = {torch.bfloat16: lib.paged_prefill_bf16, torch.float32: lib.paged_prefill_f32}
+        for fn in self._fns.values():
+            fn.restype = ctypes.c_int
+            fn.argtypes = [_P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32]
 
     def supports(self, dtype: torch.dtype, head_dim: int, group: int) -> bool:
-        return dtype == torch.bfloat16 and head_dim in self.head_dims and group <= self.max_group
+        return dtype in self._fns and head_dim in self.head_dims and group <= self.max_group
 
     def __call__(self, pool: torch.Tensor, page_table: torch.Tensor, kv_lens: torch.Tensor, q_lens: torch.Tensor,
                  q_rows: torch.Tensor, q: torch.Tensor, layer: int, num_kv_heads: int, page_size: int,
                  scale: float) -> torch.Tensor:
         """pool [pages, L, 2, H, S, D]; page_table [B, P], kv_lens, q_lens, q_rows [B] int64
         (sequence b's queries are rows q_rows[b].. of q, the last q_lens[b] of its kv_lens[b]
-        positions); q [T, Hq, D] bfloat16 with contiguous rows -> out [T, Hq, D]."""
+        positions); q [T, Hq, D] in the pool's dtype with contiguous rows -> out [T, Hq, D]."""
         T, Hq, D = q.shape
         assert q.dtype == pool.dtype and q.stride(2) == 1 and q.stride(1) == D
         out = q.new_empty(T, Hq, D)
         H = num_kv_heads
-        rc = self._fn(pool.data_ptr(), page_table.data_ptr(), kv_lens.data_ptr(), q_lens.data_ptr(),
-                      q_rows.data_ptr(), q.data_ptr(), q.stride(0), out.data_ptr(), page_table.shape[0],
-                      page_table.shape[1], layer, pool.shape[1], H, Hq // H, page_size, D, scale)
+        rc = self._fns[pool.dtype](pool.data_ptr(), page_table.data_ptr(), kv_lens.data_ptr(), q_lens.data_ptr(),
+                                   q_rows.data_ptr(), q.data_ptr(), q.stride(0), out.data_ptr(), page_table.shape[0],
+                                   page_table.shape[1], layer, pool.shape[1], H, Hq // H, page_size, D, scale)
         if rc != 0:
             raise RuntimeError(f"native prefill attention failed ({rc}): out of memory or unsupported shape")
         return out
@@ -165,27 +132,29 @@ class Elementwise:
             fn.restype, fn.argtypes = None, [_P, _P, _P, _P, _I64, _I64, _F32]
         for fn in self._silu.values():
             fn.restype, fn.argtypes = None, [_P, _P, _I64, _I64]
-        self._rope, self._argmax, self._topk = lib.rope_bf16, lib.argmax_rows_f32, lib.topk_rows_f32
-        self._rope.restype, self._rope.argtypes = None, [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64]
+        self._rope = {torch.bfloat16: lib.rope_bf16, torch.float32: lib.rope_f32}
+        for fn in self._rope.values():
+            fn.restype, fn.argtypes = None, [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64]
+        self._argmax, self._topk = lib.argmax_rows_f32, lib.topk_rows_f32
         self._argmax.restype, self._argmax.argtypes = None, [_P, _I64, _I64, _P]
         self._topk.restype, self._topk.argtypes = None, [_P, _I64, _I64, _I64, _P]
 
     def rope_(self, x: torch.Tensor, heads: int, table: torch.Tensor, positions: torch.Tensor,
               store: tuple[torch.Tensor, torch.Tensor, int, int, int] | None = None) -> None:
-        """Rotate the first `heads` heads of x [T, H, D] (bfloat16, rows contiguous) in place
+        """Rotate the first `heads` heads of x [T, H, D] (bfloat16 or float32, rows contiguous) in place
         by the float32 cos/sin table [max_positions, 2, D] at `positions` [T] (int64).
-        `store` = (slots [N, D] bfloat16, slot_ids [T * hkv] int64, hkv, k_base, v_off) also
+        `store` = (slots [N, D] in x's dtype, slot_ids [T * hkv] int64, hkv, k_base, v_off) also
         copies the keys (the last hkv rotated heads) to slots[slot_ids + k_base] and the
         values (the hkv heads after them) to slots[slot_ids + k_base + v_off]."""
         T, _, D = x.shape
-        assert x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(1) == D and table.is_contiguous()
+        assert x.dtype in self._rope and x.stride(2) == 1 and x.stride(1) == D and table.is_contiguous()
         assert D <= self.MAX_ROPE_DIM and D % 2 == 0
         positions = positions.contiguous()
         slots, slot_ids, hkv, k_base, v_off = store if store is not None else (None, None, 0, 0, 0)
         if slots is not None:
-            assert slots.dtype == torch.bfloat16 and slots.is_contiguous() and slot_ids.is_contiguous()
+            assert slots.dtype == x.dtype and slots.is_contiguous() and slot_ids.is_contiguous()
             assert x.shape[1] >= heads + hkv and slot_ids.numel() == T * hkv
-        self._rope(x.data_ptr(), table.data_ptr(), positions.data_ptr(), T, x.stride(0), heads, D,
+        self._rope[x.dtype](x.data_ptr(), table.data_ptr(), positions.data_ptr(), T, x.stride(0), heads, D,
                    None if slots is None else slots.data_ptr(), None if slot_ids is None else slot_ids.data_ptr(),
                    hkv, k_base, v_off)
 
@@ -227,37 +196,25 @@ class Elementwise:
         return out
 
 
-@lru_cache(maxsize=1)
-def native_library() -> ctypes.CDLL | None:
-    if os.environ.get("KVRELAY_NATIVE", "1") == "0":
-        return None
-    try:
-        path = _build()
-        return ctypes.CDLL(str(path)) if path else None
-    except OSError as exc:
-        log.warning("loading the native kernels failed (%s); using the torch fallbacks", exc)
-        return None
-
-
-@lru_cache(maxsize=1)
+@per_isa
 def paged_decode() -> PagedDecode | None:
     lib = native_library()
     return PagedDecode(lib) if lib is not None else None
 
 
-@lru_cache(maxsize=1)
+@per_isa
 def paged_prefill() -> PagedPrefill | None:
     lib = native_library()
     return PagedPrefill(lib) if lib is not None and lib.paged_prefill_available() else None
 
 
-@lru_cache(maxsize=1)
+@per_isa
 def gemm() -> Gemm | None:
     lib = native_library()
     return Gemm(lib) if lib is not None and lib.gemm_bf16_available() else None
 
 
-@lru_cache(maxsize=1)
+@per_isa
 def elementwise() -> Elementwise | None:
     lib = native_library()
     return Elementwise(lib) if lib is not None else None

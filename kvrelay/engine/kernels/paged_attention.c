@@ -18,6 +18,7 @@
 #include "bf16.h"
 #include "paged_attention_avx512.h"
 #include "prefill_attention_avx512.h"
+#include "prefill_attention_f32.h"
 
 #define MAX_GROUP 16
 
@@ -106,39 +107,52 @@ DEFINE_KERNEL(paged_decode_bf16, uint16_t, bf16_load, bf16_round, 0)
 #endif
 DEFINE_KERNEL(paged_decode_f32, float, F32_LOAD, F32_STORE, 0)
 
-#ifdef KVRELAY_FAST_DECODE
-/* Prefill attention from the pool (bfloat16, AVX-512 BF16 only): B sequences, sequence b
- * with kv_lens[b] keys whose last q_lens[b] are queries at rows q_rows[b].. of q (rows
- * q_stride elements apart); out rows are Hq * D, contiguous. Items (b, kv head) are
- * unequal, so they are handed out dynamically. Returns -2 when not compiled in. */
-int paged_prefill_bf16(const uint16_t *pool, const int64_t *page_table, const int64_t *kv_lens,
-                       const int64_t *q_lens, const int64_t *q_rows, const uint16_t *q, int64_t q_stride,
-                       uint16_t *out, int64_t B, int64_t max_pages, int64_t layer, int64_t L, int64_t H,
-                       int64_t G, int64_t S, int64_t D, float scale) {
-    if ((D != 64 && D != 128) || G > MAX_GROUP) return -2;
-    int64_t longest = 1;
-    for (int64_t b = 0; b < B; ++b)
-        if (kv_lens[b] > longest) longest = kv_lens[b];
-    int failed = 0;
-    const int64_t out_stride = H * G * D;
-    _Pragma("omp parallel reduction(|:failed)")
-    {
-        float *scratch = malloc(sizeof(float) * (size_t)prefill_scratch_floats(G, longest, D));
-        if (!scratch) failed = 1;
-        _Pragma("omp for schedule(dynamic, 1)")
-        for (int64_t w = 0; w < B * H; ++w) {
-            if (failed) continue;
-            const int64_t b = w / H, h = w % H;
-            prefill_item(pool, page_table + b * max_pages, kv_lens[b], q_lens[b], q + q_rows[b] * q_stride,
-                         q_stride, out + q_rows[b] * out_stride, out_stride, layer, L, H, h, G, S, (int)D,
-                         scale, scratch);
-        }
-        free(scratch);
-    }
-    return failed ? -1 : 0;
+/* Prefill attention from the pool: B sequences, sequence b with kv_lens[b] keys whose
+ * last q_lens[b] are queries at rows q_rows[b].. of q (rows q_stride elements apart); out
+ * rows are Hq * D, contiguous. Items (b, kv head) are unequal, so they are handed out
+ * dynamically. bfloat16 runs the AVX-512 BF16 item where it is compiled in, else the
+ * float32 item with bf16 widened (prefill_attention_f32.h). Returns -2 for a shape
+ * without a kernel. */
+#define DEFINE_PREFILL(NAME, T, SCRATCH_FLOATS, ITEM)                                                  \
+int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const int64_t *q_lens,     \
+         const int64_t *q_rows, const T *q, int64_t q_stride, T *out, int64_t B, int64_t max_pages,   \
+         int64_t layer, int64_t L, int64_t H, int64_t G, int64_t S, int64_t D, float scale) {         \
+    if ((D != 64 && D != 128) || G > MAX_GROUP) return -2;                                           \
+    int64_t longest = 1;                                                                             \
+    for (int64_t b = 0; b < B; ++b)                                                                  \
+        if (kv_lens[b] > longest) longest = kv_lens[b];                                              \
+    int failed = 0;                                                                                  \
+    const int64_t out_stride = H * G * D;                                                            \
+    _Pragma("omp parallel reduction(|:failed)")                                                      \
+    {                                                                                                \
+        float *scratch = malloc(sizeof(float) * (size_t)SCRATCH_FLOATS(G, longest, D));             \
+        if (!scratch) failed = 1;                                                                    \
+        _Pragma("omp for schedule(dynamic, 1)")                                                      \
+        for (int64_t w = 0; w < B * H; ++w) {                                                        \
+            if (failed) continue;                                                                    \
+            const int64_t b = w / H, h = w % H;                                                      \
+            ITEM(pool, page_table + b * max_pages, kv_lens[b], q_lens[b], q + q_rows[b] * q_stride,  \
+                 q_stride, out + q_rows[b] * out_stride, out_stride, layer, L, H, h, G, S, (int)D,    \
+                 scale, scratch);                                                                    \
+        }                                                                                            \
+        free(scratch);                                                                               \
+    }                                                                                                \
+    return failed ? -1 : 0;                                                                          \
 }
+
+#ifdef KVRELAY_VEC
+#define PF_SCRATCH(G, longest, D) pf_scratch_floats(longest, D)
+DEFINE_PF_ITEM(pf_item_f32, float, F32_LOAD, F32_STORE)
+DEFINE_PREFILL(paged_prefill_f32, float, PF_SCRATCH, pf_item_f32)
+#ifdef KVRELAY_FAST_DECODE
+DEFINE_PREFILL(paged_prefill_bf16, uint16_t, prefill_scratch_floats, prefill_item)
+#else
+DEFINE_PF_ITEM(pf_item_bf16, uint16_t, bf16_load, bf16_round)
+DEFINE_PREFILL(paged_prefill_bf16, uint16_t, PF_SCRATCH, pf_item_bf16)
+#endif
 int paged_prefill_available(void) { return 1; }
 #else
+int paged_prefill_f32(void) { return -2; }
 int paged_prefill_bf16(void) { return -2; }
 int paged_prefill_available(void) { return 0; }
 #endif

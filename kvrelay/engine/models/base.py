@@ -3,12 +3,16 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kvrelay.core.registry import Registry
 from kvrelay.engine.forward import ForwardBatch
+
+if TYPE_CHECKING:
+    from kvrelay.engine.models.linear import WeightFormat
 
 
 @dataclass(frozen=True)
@@ -40,11 +44,12 @@ class CausalLM(nn.Module):
       (`kv.gather(layer, ...)`) under `batch.attn_mask`.
       It returns float32 logits [B, vocab] for the rows in `batch.logits_index`.
     - `load_weights(named)` takes (HF-style name, tensor) pairs, already un-permuted.
-    - `prepare()` runs once after the weights are final (e.g. to pre-pack them for the
-      CPU's matmul library); weights must not change afterwards.
+    - `prepare(fmt)` runs once after the weights are final (e.g. to pre-pack them for the
+      CPU's matmul library, or to quantize them, as `fmt` says); weights must not change
+      afterwards.
     """
 
-    def prepare(self) -> None:
+    def prepare(self, fmt: WeightFormat | None = None) -> None:
         pass
 
     @abstractmethod

@@ -11,6 +11,7 @@ from torch import nn
 
 from kvrelay.engine.forward import ForwardBatch
 from kvrelay.engine.kernels import PagedDecode, PagedPrefill, elementwise, paged_decode, paged_prefill
+from kvrelay.engine.kernels.kvq import PagedDecodeQ8, paged_decode_q8
 from kvrelay.engine.models.linear import Linear
 
 
@@ -95,17 +96,23 @@ class RotaryEmbedding(nn.Module):
 def rope_and_store(qkv: torch.Tensor, hq: int, hkv: int, meta: "AttnMeta", kv,
                    layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [T, hq + 2 * hkv, D] -> (q, k, v) with RoPE applied to q and k, and this pass's
-    k and v stored in the pool at meta.write_slots of `layer`. For bfloat16 on CPU it is
-    one native pass, in place (q and k are views of qkv)."""
+    k and v stored in the pool at meta.write_slots of `layer`. On CPU (bfloat16, float32) it is
+    one native pass, in place (q and k are views of qkv). An 8-bit pool quantizes on store,
+    and the k and v returned are the dequantized ones it holds."""
     ew = elementwise()
-    if (ew is not None and qkv.dtype == torch.bfloat16 and kv.data.dtype == torch.bfloat16
+    if (ew is not None and qkv.dtype == kv.data.dtype and ew.supports(qkv.dtype)
             and qkv.device.type == "cpu" and qkv.shape[-1] <= ew.MAX_ROPE_DIM):
         slots, k_base, v_off = kv.store_target(layer)
         ew.rope_(qkv, hq + hkv, meta.rope_table, meta.batch.positions, (slots, meta.write_slots, hkv, k_base, v_off))
         return qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
     q, k = apply_rope(qkv[:, :hq + hkv], meta.cos, meta.sin).split([hq, hkv], dim=1)
     v = qkv[:, hq + hkv:]
-    kv.write(layer, meta.write_slots, k, v)
+    held = kv.write(layer, meta.write_slots, k, v)
+    if held is not None and meta.batch.no_prefix:
+        # 8-bit cache: attention reads keys and values as the cache holds them, also in a
+        # pass that attends over its own (every other pass reads the pool), so tokens do not
+        # depend on how a prompt was chunked (a prefill worker chunks unlike a colocated engine).
+        k, v = held()
     return q, k, v
 
 
@@ -146,7 +153,7 @@ class AttnMeta:
     write_slots: torch.Tensor  # KV-pool slots of the new tokens (kv.slot_ids)
     read_rows: torch.Tensor | None  # KV-pool rows of batch.page_table (kv.row_ids); None: no_prefix
     masked_out: torch.Tensor  # ~mask, for masked_fill
-    native: PagedDecode | None  # the native decode kernel, for one-token-per-sequence passes
+    native: PagedDecode | PagedDecodeQ8 | None  # the native decode kernel, for one-token-per-sequence passes
     kv_lens: torch.Tensor      # [B] int64
     rope_table: torch.Tensor   # float32 [max_positions, 2, D], for the native RoPE
     prefill: PagedPrefill | None  # the native kernel for every other pass, when it applies
@@ -164,13 +171,19 @@ class AttnMeta:
         # Inverse of q_index over the valid slots, so each layer un-pads with one gather.
         slots = batch.q_valid.flatten().nonzero().squeeze(1)
         row_slot = torch.empty_like(slots).index_copy_(0, batch.q_index.flatten()[slots], slots)
-        native = paged_decode() if max(batch.q_lens) == 1 and not batch.no_prefix else None
+        decode = max(batch.q_lens) == 1 and not batch.no_prefix
         L = kv.layout
-        if native is not None and not native.supports(kv.data.dtype, L.head_dim, group):
-            native = None
-        prefill = paged_prefill() if native is None else None
-        if prefill is not None and not prefill.supports(kv.data.dtype, L.head_dim, group):
-            prefill = None
+        if L.quantized:  # 8-bit pool: its own decode kernel; other passes gather and dequantize
+            native, prefill = paged_decode_q8() if decode else None, None
+            if native is not None and not native.supports(L.head_dim, group):
+                native = None
+        else:
+            native = paged_decode() if decode else None
+            if native is not None and not native.supports(kv.data.dtype, L.head_dim, group):
+                native = None
+            prefill = paged_prefill() if native is None else None
+            if prefill is not None and not prefill.supports(kv.data.dtype, L.head_dim, group):
+                prefill = None
         read_rows = (None if batch.no_prefix or native is not None or prefill is not None
                      else kv.row_ids(batch.page_table))
         q_lens = torch.tensor(batch.q_lens, dtype=torch.int64)
@@ -193,6 +206,9 @@ class PagedAttention(nn.Module):
         """q [T, Hq, D], k/v [T, Hkv, D] (RoPE applied, already stored in the pool by
         `rope_and_store`, so this pass's tokens see their own keys) -> [T, Hq * D]."""
         b = meta.batch
+        if meta.native is not None and kv.layout.quantized:
+            out = meta.native(kv.data, kv.scales, b.page_table, meta.kv_lens, q, self.layer, self.head_dim ** -0.5)
+            return out.view(-1, self.num_heads * self.head_dim).to(q.dtype)
         if meta.native is not None:  # decode: q rows are already one per sequence
             out = meta.native(kv.data, b.page_table, meta.kv_lens, q.to(kv.data.dtype), self.layer,
                               self.num_kv_heads, kv.layout.page_size, self.head_dim ** -0.5)

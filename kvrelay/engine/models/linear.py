@@ -6,16 +6,24 @@ Measured here (2 cores, AVX-512 BF16, the default model's shapes, bfloat16):
   31-34 ms through oneDNN, and 9 ms against 15 ms (torch's GEMV) for one row;
 - more rows (prefill chunks), oneDNN with the weight pre-packed: ~400 GFLOPS;
 - without either, F.linear, with torch's native GEMV for one row (2x oneDNN there).
+float32 compute (every variant, `kernels/gemm_wide.c`, weights stored as bfloat16 or
+float32): up to GEMM_MAX_ROWS rows the native kernel, else oneDNN pre-packed from the
+same (bfloat16-rounded) values. Against F.linear on float32 weights, the default model's
+matmuls at 32 rows took ~40 ms against ~110 (oneDNN pre-packed: ~40), at one row 8 ms
+against 14 (shared, noisy cores: ratios, not absolutes).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.engine.kernels import elementwise, gemm
+from kvrelay.engine.kernels.wide import wide_gemm
+from kvrelay.engine.models.quant_linear import QuantWeight, quant_forward, quantize
 
 # oneDNN weight packing: the packed layout serves every row count; 32 is only its tuning hint.
 _PACK_HINT_ROWS = 32
@@ -23,26 +31,63 @@ GEMM_MAX_ROWS = 128
 REFINE_TOP = 8
 
 
+QUANTIZED = ("int8", "int4", "gguf")
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How `prepare()` keeps every Linear's weight (the loader derives it from --dtype and
+    --quantization). `store`: "same" (as loaded, in the compute dtype); "bf16" (float32
+    compute, the weight stored as bfloat16 and widened in registers); "int8" or "int4"
+    (quantized at load, `group_size` weights per int4 scale); "gguf" (the file's blocks)."""
+    compute: torch.dtype = torch.bfloat16
+    store: str = "same"
+    group_size: int = 32
+
+
 @dataclass(frozen=True)
 class PackedWeight:
-    """A loaded weight [N, K] in the layouts `fast_linear` reads; None where unavailable."""
+    """A loaded weight [N, K] in the layouts `fast_linear` reads; None where unavailable.
+    Weights stored as bfloat16 for float32 compute are the bfloat16-rounded values in every
+    layout, so each path computes the same function."""
     onednn: torch.Tensor | None
-    native: torch.Tensor | None      # kernels.Gemm layout
-    bias32: torch.Tensor | None      # float32 bias for the native kernel
+    native: torch.Tensor | None      # kernels.Gemm layout, or WideGemm's when `wide`
+    bias32: torch.Tensor | None      # float32 bias for the native kernel (padded for WideGemm)
     out_features: int
+    wide: bool = False               # native is WideGemm's: float32 activations and output
 
 
-def pack_weight(w: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight | None:
-    """None unless `w` is a CPU bfloat16 weight (float32 runs plain F.linear)."""
-    if w.dtype != torch.bfloat16 or w.device.type != "cpu":
+def pack_weight(w: torch.Tensor, bias: torch.Tensor | None = None,
+                fmt: WeightFormat = WeightFormat()) -> PackedWeight | None:
+    """None unless `w` is a CPU bfloat16 or float32 weight. A float32 weight with
+    fmt.store "bf16" is rounded to bfloat16 and kept that way for the native kernel."""
+    if w.dtype not in (torch.bfloat16, torch.float32) or w.device.type != "cpu":
         return None
     w = w.detach()
-    onednn = (torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT_ROWS)
-              if torch.backends.mkldnn.is_available() else None)
+    if w.dtype == torch.float32:
+        return _pack_float32(w, bias, fmt.store == "bf16")
+    onednn = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT_ROWS) if _onednn_bf16() else None
     g = gemm()
     native = g.pack(w) if g is not None else None
     bias32 = bias.detach().float().contiguous() if bias is not None and native is not None else None
     return PackedWeight(onednn, native, bias32, w.shape[0])
+
+
+@lru_cache(maxsize=1)
+def _onednn_bf16() -> bool:
+    """oneDNN packs bfloat16 weights only on CPUs with AVX-512BW/VL/DQ or AVX-NE-CONVERT
+    (an AVX2-only Zen 3 has neither); elsewhere a bfloat16 weight stays unpacked."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _pack_float32(w: torch.Tensor, bias: torch.Tensor | None, as_bf16: bool) -> PackedWeight:
+    stored = w.bfloat16() if as_bf16 else w
+    onednn = (torch.ops.mkldnn._reorder_linear_weight(stored.float() if as_bf16 else w, _PACK_HINT_ROWS)
+              if torch.backends.mkldnn.is_available() else None)
+    g = wide_gemm()
+    native = g.pack(stored) if g is not None else None
+    bias32 = g.pad_bias(bias) if g is not None else None
+    return PackedWeight(onednn, native, bias32, w.shape[0], wide=True)
 
 
 def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -52,8 +97,10 @@ def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return F.linear(x, weight, bias)
     rows = x.shape[0]
     if packed.native is not None and rows <= GEMM_MAX_ROWS:
+        if packed.wide:
+            return wide_gemm()(x, packed.native, packed.out_features, packed.bias32)
         return gemm()(x, packed.native, packed.out_features, packed.bias32)
-    if packed.onednn is not None and rows > 1:
+    if packed.onednn is not None and (rows > 1 or packed.wide):
         return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
     torch._C._set_mkldnn_enabled(False)  # only the engine thread runs torch
     try:
@@ -67,8 +114,10 @@ def lm_head_logits(h: torch.Tensor, weight: torch.Tensor, packed: PackedWeight |
     at |logit| ~ 25, which makes near-ties between the best tokens (seen: "The" vs "L" at
     the start of the default model's answer). The REFINE_TOP best are recomputed with a
     float32 dot product, so greedy picks what full-precision accumulation would. The native
-    kernel returns its float32 sums unrounded, which needs no refinement."""
+    kernels return their float32 sums unrounded, which needs no refinement."""
     if packed is not None and packed.native is not None and h.shape[0] <= GEMM_MAX_ROWS:
+        if packed.wide:
+            return wide_gemm()(h, packed.native, packed.out_features, None)
         return gemm()(h, packed.native, packed.out_features, None, out_dtype=torch.float32)
     logits = fast_linear(h, weight, None, packed).float()
     if h.dtype == torch.float32:
@@ -81,12 +130,28 @@ def lm_head_logits(h: torch.Tensor, weight: torch.Tensor, packed: PackedWeight |
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose forward is `fast_linear`; `prepare()` packs the loaded weight."""
+    """nn.Linear whose forward is `fast_linear`; `prepare(fmt)` packs the loaded weight, or
+    quantizes it. Where the packed copies serve every row count (float32 compute with both
+    the native and the oneDNN layout) or the weight is quantized, the float weight is freed:
+    nothing reads `weight` after that."""
 
     packed: PackedWeight | None = None
+    quant: QuantWeight | None = None
+    gguf_raw = None   # the loader's raw GGUF blocks for this weight, for --quantization gguf
 
-    def prepare(self) -> None:
-        self.packed = pack_weight(self.weight, self.bias)
+    def prepare(self, fmt: WeightFormat = WeightFormat()) -> None:
+        if fmt.store in QUANTIZED:
+            self.quant = quantize(self.weight.detach(), fmt, raw=self.gguf_raw)
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+            self.gguf_raw = None
+            return
+        self.packed = pack_weight(self.weight, self.bias, fmt)
+        p = self.packed
+        if p is not None and p.wide and p.native is not None and p.onednn is not None:
+            # float32 compute reads only the packed copies from now on (fast_linear)
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return quant_forward(x, self.quant, self.bias)
         return fast_linear(x, self.weight, self.bias, self.packed)

@@ -13,7 +13,8 @@ from torch import nn
 from kvrelay.engine.forward import ForwardBatch
 from kvrelay.engine.models.base import MODELS, ArchConfig, CausalLM, ModelLoadError
 from kvrelay.engine.models.layers import AttnMeta, PagedAttention, RMSNorm, RotaryEmbedding, SwiGLU, rope_and_store
-from kvrelay.engine.models.linear import Linear, PackedWeight, lm_head_logits, pack_weight
+from kvrelay.engine.models.linear import Linear, PackedWeight, WeightFormat, lm_head_logits, pack_weight
+from kvrelay.engine.models.quant_linear import quant_forward
 
 # Checkpoint entries that hold no weight of ours.
 _IGNORED = ("rotary_emb.inv_freq",)
@@ -87,15 +88,18 @@ class LlamaForCausalLM(CausalLM):
         rows = batch.logits_index
         h, _ = self.model.norm.add_and_norm(h[rows], delta[rows])
         if self.lm_head is not None:
+            if self.lm_head.quant is not None:
+                return quant_forward(h, self.lm_head.quant, None, out_dtype=torch.float32)
             return lm_head_logits(h, self.lm_head.weight, self.lm_head.packed)
         return lm_head_logits(h, self.model.embed_tokens.weight, self._head_packed)
 
-    def prepare(self) -> None:
+    def prepare(self, fmt: WeightFormat | None = None) -> None:
+        fmt = fmt or WeightFormat()
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepare()
+                module.prepare(fmt)
         if self.lm_head is None:
-            self._head_packed = pack_weight(self.model.embed_tokens.weight)
+            self._head_packed = pack_weight(self.model.embed_tokens.weight, None, fmt)
 
     def _fused_slices(self) -> dict[str, tuple[str, int, int]]:
         """HF projection name -> (our fused projection, first row, row count)."""

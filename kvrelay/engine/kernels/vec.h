@@ -1,0 +1,61 @@
+/* One float32 vector type for the AVX-512F and AVX2+FMA builds, so a kernel is written
+ * once: V floats per vector, vf/vi, and the few operations the kernels use. Defines
+ * KVRELAY_VEC when either is compiled in (builds without both export stubs instead).
+ * bfloat16 is widened by shifts (WIDEN_LO/WIDEN_HI of 32-bit lanes holding two bf16):
+ * no BF16 instructions. */
+#ifndef KVRELAY_VEC_H
+#define KVRELAY_VEC_H
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#include <stdint.h>
+#define KVRELAY_VEC 1
+
+#if defined(__AVX512F__)
+#define V 16
+typedef __m512 vf;
+typedef __m512i vi;
+#define VZERO() _mm512_setzero_ps()
+#define VSET1(x) _mm512_set1_ps(x)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm512_add_ps(a, b)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VLOADF(p) _mm512_loadu_ps(p)
+#define VSTOREF(p, v) _mm512_storeu_ps(p, v)
+#define VLOADI(p) _mm512_loadu_si512((const void *)(p))
+#define WIDEN_LO(x) _mm512_castsi512_ps(_mm512_slli_epi32(x, 16))
+#define WIDEN_HI(x) _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)))
+/* V bfloat16 at p as float32. */
+#define VLOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+static inline void vstore_n(float *p, vf v, int cnt) {
+    _mm512_mask_storeu_ps(p, (__mmask16)((1u << cnt) - 1u), v);
+}
+#else
+#define V 8
+typedef __m256 vf;
+typedef __m256i vi;
+#define VZERO() _mm256_setzero_ps()
+#define VSET1(x) _mm256_set1_ps(x)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm256_add_ps(a, b)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VLOADF(p) _mm256_loadu_ps(p)
+#define VSTOREF(p, v) _mm256_storeu_ps(p, v)
+#define VLOADI(p) _mm256_loadu_si256((const __m256i *)(p))
+#define WIDEN_LO(x) _mm256_castsi256_ps(_mm256_slli_epi32(x, 16))
+#define WIDEN_HI(x) _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xFFFF0000u)))
+#define VLOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+static inline float vsum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline void vstore_n(float *p, vf v, int cnt) {
+    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    _mm256_maskstore_ps(p, m, v);
+}
+#endif
+
+#endif
+#endif
