@@ -4,6 +4,7 @@ chunked prefill and decode steps through the paged KV pool."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -60,6 +61,16 @@ class PagedSession:
             self.alloc.free(owner)
         self.alloc.check_integrity()
         assert self.alloc.num_free == self.kv.num_pages
+
+
+def greedy_next_word(loaded, text: str) -> str:
+    """The word the model puts after `text`: one prefill over a paged pool, argmax."""
+    sess = PagedSession(loaded, page_size=16)
+    try:
+        logits = sess.prefill([loaded.tokenizer.encode(text)], reserve=0)
+    finally:
+        sess.close()
+    return loaded.tokenizer.decode(logits.argmax(-1)).strip()
 
 
 @torch.no_grad()
@@ -181,10 +192,11 @@ def default_pair():
     return load_model(ModelOptions(dtype="float32")), hf_reference_from_gguf()
 
 
+@functools.lru_cache(maxsize=1)
 def hf_reference_from_gguf():
     """transformers' own GGUF conversion (name mapping, q/k un-permute) into its Llama.
     Built on the meta device and assigned, since from_pretrained(gguf_file=...) needs
-    `accelerate`."""
+    `accelerate`. Built once per test session (~30 s here): callers only run it."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -211,12 +223,7 @@ def test_default_model_prefill_batch_and_decode_match_transformers(default_pair)
 
 def test_default_model_says_paris(default_pair):
     loaded, _ = default_pair
-    sess = PagedSession(loaded, page_size=16)
-    try:
-        logits = sess.prefill([loaded.tokenizer.encode("The capital of France is")], reserve=0)
-    finally:
-        sess.close()
-    assert loaded.tokenizer.decode(logits.argmax(-1)).strip() == "Paris"
+    assert greedy_next_word(loaded, "The capital of France is") == "Paris"
 
 
 def test_bfloat16_logits_resolve_near_ties_in_float32():

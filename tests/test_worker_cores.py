@@ -240,9 +240,13 @@ def test_unacknowledged_transfer_fails_within_the_lease(tiny_loaded, backend):
             return res, loop.time() - t0
 
         (pouts, douts), took = asyncio.run(main())
-        assert pouts[-1].finish_reason is FinishReason.ERROR and pouts[-1].error.startswith("transfer_error")
-        assert douts[-1].finish_reason is FinishReason.ERROR
+        assert pouts[-1].finish_reason is FinishReason.ERROR and douts[-1].finish_reason is FinishReason.ERROR
+        # P ends the stalled transfer (transfer_error). On a loaded 2-core machine D's 0.6 s
+        # lease on P can run out first (seen once in CI): then both end with D's verdict.
         assert douts[-1].error.split(":")[0] in ("transfer_error", "peer_failed")
+        assert (pouts[-1].error.startswith("transfer_error")
+                or pouts[-1].error.startswith("peer_failed: decode: peer_failed")
+                and douts[-1].error.startswith("peer_failed")), (pouts[-1].error, douts[-1].error)
         lease = LIFE.heartbeat_interval * (LIFE.heartbeat_misses + 2)
         assert took < lease + 1.0 < LIFE.transfer_timeout
         pair.assert_idle()
