@@ -1,7 +1,7 @@
 """End to end on the real default model: `kvrelay serve` (the local cluster, as `make run`
 starts it) answers the official openai client, and its greedy output is token for token
-what `kvrelay serve --mode colocated` produces, on every transfer backend (20 prompts on
-shm, 10 each on tcp and nixl)."""
+what `kvrelay serve --mode colocated` produces, on every transfer backend (10 prompts on
+shm, 5 each on tcp and nixl)."""
 from __future__ import annotations
 
 import httpx
@@ -13,11 +13,8 @@ from serving_helpers import assert_no_leak, running_server
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = [
     "The capital of France is", "Write a haiku about the sea:", "def fibonacci(n):", "1, 2, 3, 4,",
-    "The quick brown fox", "Translate to French: good morning", "List three colors:", "Once upon a time",
-    "The theory of relativity says", "A recipe for pancakes:", "Q: What is 7 times 8?\nA:",
-    "The largest planet in the solar system is", "Dear hiring manager,", "import numpy as np\n",
-    "The three laws of robotics are", "Why is the sky blue?", "The opposite of hot is",
-    "Shakespeare wrote", "In 1969, humans", "The best way to learn a language is",
+    "Q: What is 7 times 8?\nA:", "Translate to French: good morning", "import numpy as np\n",
+    "Once upon a time", "Why is the sky blue?", "In 1969, humans",
 ]
 MAX_TOKENS = 24
 SERVER_ARGS = ("--max-kv-tokens", "16384")

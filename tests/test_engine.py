@@ -60,24 +60,26 @@ def hf_and_engine(request, tmp_path_factory):
     engine.shutdown()
 
 
-def test_greedy_matches_transformers_generate_alone_and_batched(hf_and_engine):
-    """32 greedy tokens (or fewer, when EOS comes first, on both sides) for 5 prompts."""
+def test_greedy_matches_transformers_generate_alone_and_batched(hf_and_engine, request):
+    """32 greedy tokens (16 on the default model, whose float32 reference is slow on a CPU
+    without AVX-512), or fewer when EOS comes first on both sides, for 5 prompts."""
     hf, engine = hf_and_engine
+    n = 16 if request.node.callspec.params["hf_and_engine"] == "default-model" else 32
     tok = engine.tokenizer()
     eos = sorted(engine.core.eos_ids)
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     expected = []
     for p in ids:
         with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, eos_token_id=eos,
+            out = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
                               pad_token_id=eos[0])
         expected.append(out[0, len(p):].tolist())
-    params = SamplingParams(max_tokens=32, temperature=0.0)
+    params = SamplingParams(max_tokens=n, temperature=0.0)
     alone = [run_all(engine, [(f"alone-{i}", p, params)])[0][0] for i, p in enumerate(ids)]
     batched = [r[0] for r in run_all(engine, [(f"batch-{i}", p, params) for i, p in enumerate(ids)])]
     assert alone == expected
     assert batched == expected
-    assert sum(len(e) for e in expected) > 5 * 8  # not a degenerate run of immediate EOS
+    assert sum(len(e) for e in expected) > 5 * n // 4  # not a degenerate run of immediate EOS
     engine.check_idle()
 
 

@@ -188,3 +188,66 @@ def test_not_a_gguf(tmp_path):
 
 def test_bad_dtype(tiny_dir):
     expect_error(str(tiny_dir), "float16", dtype="float16")
+
+
+# ------------------------------------------------------------------ config.json without transformers
+
+def _reading(cfg):
+    from kvrelay.engine.loader import _max_model_len, arch_from_hf_config
+    try:
+        arch = arch_from_hf_config(cfg)
+    except ModelLoadError as exc:
+        return str(exc)
+    return (arch, _max_model_len(arch, cfg), getattr(cfg, "eos_token_id", None),
+            getattr(cfg, "initializer_range", 0.02))
+
+
+def _variants(raw: dict):
+    """The config as written, each field left out in turn, and the rope spelled other ways."""
+    yield "as written", raw
+    for key in raw:
+        if key != "model_type":
+            yield f"without {key}", {k: v for k, v in raw.items() if k != key}
+    theta = (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    bare = {k: v for k, v in raw.items() if k != "rope_parameters"}
+    yield "top-level rope_theta", {**bare, "rope_theta": theta * 2}
+    yield "rope_scaling default", {**bare, "rope_theta": 5e5, "rope_scaling": {"type": "default"}}
+    yield "rope_scaling linear", {**bare, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    yield "rope_scaling null", {**bare, "rope_scaling": None}
+    yield "sliding window", {**raw, "use_sliding_window": True, "sliding_window": 64}
+    yield "window null", {**raw, "sliding_window": None}
+    yield "partial rotary", {**raw, "partial_rotary_factor": 0.5}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_a_config_json_reads_as_transformers_reads_it(arch, tmp_path):
+    """kvrelay reads a config.json that states its fields without transformers' config
+    classes (they cost seconds at every worker start): every variant gives the same
+    architecture, context length, EOS and init range as AutoConfig, and the file as
+    transformers writes it takes that fast reading."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from kvrelay.engine.loader import _hf_config
+
+    raw = json.loads((make_tiny_model_dir(tmp_path / "m", arch=arch) / "config.json").read_text())
+    path = tmp_path / "config.json"
+    stated = 0
+    for what, cfg in _variants(raw):
+        path.write_text(json.dumps(cfg))
+        try:
+            ours = _hf_config(path)
+            stated += isinstance(ours, SimpleNamespace)
+            ours = _reading(ours)
+        except ModelLoadError as exc:
+            ours = str(exc)
+        try:
+            theirs = _reading(AutoConfig.from_pretrained(str(path), local_files_only=True))
+        except Exception:   # transformers refuses the file: kvrelay must refuse to serve it too
+            assert isinstance(ours, str), what
+        else:
+            assert ours == theirs, what
+    path.write_text(json.dumps(raw))
+    assert isinstance(_hf_config(path), SimpleNamespace)
+    assert stated >= 5

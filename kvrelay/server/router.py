@@ -434,7 +434,7 @@ def router_app(router: RouterClient, gate: Gate | None = None, allowed_origins: 
 
 def router_tokenizer(opts: ModelOptions):
     """The tokenizer of --model (no weights). Raises StartupError."""
-    from kvrelay.engine.loader import ModelLoadError, load_tokenizer
+    from kvrelay.engine.sources import ModelLoadError, load_tokenizer
 
     try:
         return load_tokenizer(opts)

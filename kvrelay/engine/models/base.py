@@ -10,6 +10,7 @@ from torch import nn
 
 from kvrelay.core.registry import Registry
 from kvrelay.engine.forward import ForwardBatch
+from kvrelay.engine.sources import ModelLoadError  # noqa: F401 (re-exported: the models raise it)
 
 if TYPE_CHECKING:
     from kvrelay.engine.models.linear import WeightFormat
@@ -62,5 +63,3 @@ class CausalLM(nn.Module):
 MODELS: Registry[type[CausalLM]] = Registry("model architecture")
 
 
-class ModelLoadError(Exception):
-    """A model cannot be loaded. The message is one line: what is wrong and what to do."""

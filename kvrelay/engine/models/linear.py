@@ -139,6 +139,10 @@ class Linear(nn.Linear):
     quant: QuantWeight | None = None
     gguf_raw = None   # the loader's raw GGUF blocks for this weight, for --quantization gguf
 
+    def reset_parameters(self) -> None:
+        """No initial values: every weight is loaded, or set by `init_random_weights`. (The
+        default init on the meta device imports torch._dynamo: seconds at every start.)"""
+
     def prepare(self, fmt: WeightFormat = WeightFormat()) -> None:
         if fmt.store in QUANTIZED:
             self.quant = quantize(self.weight.detach(), fmt, raw=self.gguf_raw)
