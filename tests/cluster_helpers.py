@@ -61,12 +61,21 @@ class Proc:
         self.popen.send_signal(sig)
 
     def stop(self) -> None:
-        if self.popen is None or self.popen.poll() is not None:
+        self.terminate()
+        self.reap()
+
+    def terminate(self) -> None:
+        """SIGTERM (after SIGCONT, should it be frozen); `reap` waits for it."""
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGCONT)
+            self.popen.terminate()
+
+    def reap(self, timeout: float = 20.0) -> None:
+        """Wait for the exit that `terminate` asked for; SIGKILL after `timeout` s."""
+        if self.popen is None:
             return
-        self.popen.send_signal(signal.SIGCONT)
-        self.popen.terminate()
         try:
-            self.popen.wait(timeout=20)
+            self.popen.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.popen.kill()
             self.popen.wait()
@@ -113,11 +122,11 @@ class Cluster:
         if self.key is not None:
             for p in [self.router, *self.workers]:
                 p.env[KEY_ENV] = self.key.export()
-        for p in self.workers:
+        # Side by side: the router waits for its workers itself (--startup-timeout).
+        for p in [*self.workers, self.router]:
             p.start()
-        for p in self.workers:
+        for p in [*self.workers, self.router]:
             p.wait_healthy()
-        self.router.start().wait_healthy()
         self.wait_router_sees_all()
         return self
 
@@ -132,8 +141,12 @@ class Cluster:
         raise AssertionError(f"router does not see every worker up: {table}")
 
     def stop(self) -> None:
-        for p in [self.router, *self.workers]:
-            p.stop()
+        """Every process at once, as `kvrelay serve` stops its workers."""
+        procs = [self.router, *self.workers]
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.reap()
 
     def logs(self) -> str:
         return "\n\n".join(f"== {p.name}\n{p.tail()}" for p in [self.router, *self.workers])

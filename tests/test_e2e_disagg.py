@@ -39,28 +39,40 @@ def colocated_tokens():
         return greedy_outputs(url)
 
 
-def test_local_cluster_answers_the_openai_client():
+@pytest.fixture(scope="module")
+def local_cluster():
+    """`kvrelay serve` as `make run` starts it (shm), shared by the tests below."""
     with running_server(*SERVER_ARGS) as url:
-        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
-        model = client.models.list().data[0].id
-        assert model == "smollm2-135m-instruct"
-        reply = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=40, temperature=0)
-        assert "Paris" in reply.choices[0].message.content
-        stream = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=40, temperature=0,
-                                                stream=True, stream_options={"include_usage": True})
-        chunks = list(stream)
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert text == reply.choices[0].message.content
-        assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
-        assert_no_leak(url)
+        yield url
+
+
+def test_local_cluster_answers_the_openai_client(local_cluster):
+    url = local_cluster
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    assert model == "smollm2-135m-instruct"
+    reply = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=40, temperature=0)
+    assert "Paris" in reply.choices[0].message.content
+    stream = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=40, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reply.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    assert_no_leak(url)
 
 
 # shm, the default, on every prompt; the other backends carry the same pages on half of them.
 @pytest.mark.parametrize("backend,prompts", [("shm", PROMPTS), ("tcp", PROMPTS[::2]), ("nixl", PROMPTS[1::2])])
-def test_same_tokens_as_colocated(backend, prompts, colocated_tokens):
-    with running_server("--transfer-backend", backend, *SERVER_ARGS) as url:
+def test_same_tokens_as_colocated(backend, prompts, colocated_tokens, request):
+    if backend == "shm":
+        url = request.getfixturevalue("local_cluster")
         got = greedy_outputs(url, prompts)
         assert_no_leak(url)
+    else:
+        with running_server("--transfer-backend", backend, *SERVER_ARGS) as url:
+            got = greedy_outputs(url, prompts)
+            assert_no_leak(url)
     assert len(got) == len(prompts)
     want = dict(zip(PROMPTS, colocated_tokens))
     for prompt, have in zip(prompts, got):

@@ -30,8 +30,9 @@ from kvrelay.engine.kv_pool import TORCH_DTYPES
 from kvrelay.engine.models import MODELS  # importing the package registers every architecture
 from kvrelay.engine.models.base import ArchConfig, CausalLM
 from kvrelay.engine.models.linear import QUANTIZED, WeightFormat
-from kvrelay.engine.sources import (_TOKENIZER_FILES, ModelLoadError, _auto_tokenizer, _existing, _has_tokenizer,
-                                     default_gguf_path, default_tokenizer, gguf_tokenizer, load_tokenizer, model_dir)
+from kvrelay.engine.sources import (TOKENIZER_FILES, ModelLoadError, auto_tokenizer, default_gguf_path,
+                                     default_tokenizer, existing_path, gguf_tokenizer, has_tokenizer, load_tokenizer,
+                                     model_dir)
 
 __all__ = ["LoadedModel", "ModelLoadError", "load_model", "load_tokenizer", "arch_from_hf_config",
            "default_gguf_path", "default_tokenizer"]
@@ -97,7 +98,7 @@ def load_model(opts: ModelOptions, progress: Progress | None = None, device: str
     elif spec.startswith("random:"):
         loaded = _load_random(Path(spec[len("random:"):]), opts, device)
     elif spec.endswith(".gguf"):
-        loaded = _load_gguf(_existing(Path(spec)), opts, progress, device, name=Path(spec).stem)
+        loaded = _load_gguf(existing_path(Path(spec)), opts, progress, device, name=Path(spec).stem)
     else:
         d = model_dir(spec)
         loaded = _load_hf_dir(d, opts, progress, device)
@@ -269,9 +270,9 @@ def _load_hf_dir(d: Path, opts: ModelOptions, progress, device) -> LoadedModel:
     cfg = _hf_config(d / "config.json")
     arch = arch_from_hf_config(cfg)
     total, named = _safetensor_tensors(_safetensor_files(d))
-    if not _has_tokenizer(d):
-        raise ModelLoadError(f"no tokenizer files in {d} ({', '.join(_TOKENIZER_FILES)})")
-    tokenizer = _auto_tokenizer(d)
+    if not has_tokenizer(d):
+        raise ModelLoadError(f"no tokenizer files in {d} ({', '.join(TOKENIZER_FILES)})")
+    tokenizer = auto_tokenizer(d)
     model = _build_model(arch, opts.dtype, device)
     model.load_weights(_counted(named, total, progress))
     gen = d / "generation_config.json"
@@ -286,7 +287,7 @@ def _load_random(path: Path, opts: ModelOptions, device) -> LoadedModel:
     cfg = _hf_config(cfg_path)
     arch = arch_from_hf_config(cfg)
     d = cfg_path.parent
-    tokenizer = _auto_tokenizer(d) if _has_tokenizer(d) else default_tokenizer()
+    tokenizer = auto_tokenizer(d) if has_tokenizer(d) else default_tokenizer()
     model = _build_model(arch, "float32", device)
     init_random_weights(model, opts.seed, getattr(cfg, "initializer_range", 0.02))
     model = model.to(TORCH_DTYPES[opts.dtype])

