@@ -7,7 +7,6 @@ maps the HF names onto their row slices.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.engine.forward import ForwardBatch
