@@ -402,13 +402,8 @@ def test_disaggregated_cluster_applies_the_knobs_on_prefill_and_decode(tiny_llam
     piece = lambda i: tiny_loaded.tokenizer.decode([i])   # noqa: E731
     cluster = Cluster(["--model", f"random:{tiny_llama_dir}"], ["--dtype", "float32", "--max-kv-tokens", "4096"],
                       num_prefill=1, num_decode=1)
-    procs = [*cluster.workers, cluster.router]
     try:
-        for p in procs:   # side by side: the router waits for its workers itself
-            p.start()
-        for p in procs:
-            p.wait_healthy()
-        cluster.wait_router_sees_all()
+        cluster.start()
         with httpx.Client(base_url=cluster.url, timeout=120) as client:
             def post(body, path="/v1/completions"):
                 r = client.post(path, json=body)
@@ -424,7 +419,4 @@ def test_disaggregated_cluster_applies_the_knobs_on_prefill_and_decode(tiny_llam
                 check_invalid(r.status_code, r.json(), param)
         cluster.assert_no_leak()
     finally:
-        for p in procs:   # SIGTERM all first, so that they shut down side by side
-            if p.popen is not None and p.popen.poll() is None:
-                p.popen.terminate()
         cluster.stop()

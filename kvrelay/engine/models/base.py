@@ -61,5 +61,3 @@ class CausalLM(nn.Module):
 
 
 MODELS: Registry[type[CausalLM]] = Registry("model architecture")
-
-
