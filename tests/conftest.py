@@ -7,6 +7,40 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One core per xdist worker: torch's second OpenMP thread only spins against the other
+    # worker (20% more CPU for the same in-process tests, measured on 2 cores).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# `make test TEST_WORKERS=2` runs the suite on two pytest-xdist workers. A module is one
+# unit of work, so that its module-scoped cluster starts once; modules that share an
+# expensive session fixture are one unit, so that it is built once. Units go out longest
+# first (the order below, measured with --durations on a 2-core machine; then every other
+# module in file order), so that no long module starts last while the other worker idles.
+SHARED_UNITS = {"tests/test_models.py": "default-model", "tests/test_engine.py": "default-model"}
+LONGEST_FIRST = ("test_chaos.py", "test_cluster.py", "test_e2e_disagg.py", "test_netns.py", "test_sim.py",
+                 "test_router.py", "test_engine.py", "test_models.py", "test_cli.py", "test_sim_mutants.py",
+                 "test_slow_worker.py", "test_worker_cores.py", "test_structured.py", "test_kv_int8.py",
+                 "test_clients.py")
+
+
+def pytest_collection_modifyitems(items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return   # one process: file order
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: file order otherwise
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return SHARED_UNITS.get(module, module)
+
+    config.option.loadscopereorder = False   # keep LONGEST_FIRST
+    return ByUnit(config, log)
 
 
 @pytest.fixture(scope="session")

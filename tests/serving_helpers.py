@@ -17,10 +17,48 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 
+def _port_block() -> range:
+    """Where this test process takes the ports of the servers it starts: a block of its own
+    (one per pytest-xdist worker) below the kernel's ephemeral range. A port taken from
+    that range (bind to 0) is free only until some other socket takes it, and between the
+    choice and the server's bind, the other worker's clients and servers take many."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) + 1 if worker.startswith("gw") and worker[2:].isdigit() else 0
+    with contextlib.suppress(OSError, ValueError):
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        start = 10000 + 2000 * index
+        if start + 2000 <= ephemeral:
+            return range(start, start + 2000)
+    return range(0)
+
+
+_BLOCK = _port_block()
+_next = [0]
+
+
+def free_port_run(n: int = 1) -> int:
+    """A port p such that p .. p + n - 1 are all free now, from this process's block
+    (outside it, where a block cannot be had: any free port the kernel gives)."""
+    for _ in range(len(_BLOCK) or 50):
+        if _BLOCK:
+            p = _BLOCK[_next[0] % (len(_BLOCK) - n)]
+            _next[0] += n
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                p = s.getsockname()[1]
+        try:
+            with contextlib.ExitStack() as stack:
+                for q in range(p, p + n):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+    raise AssertionError(f"no run of {n} free ports")
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port_run(1)
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, output) -> None:
@@ -49,8 +87,7 @@ def running_server(*args: str, ready_timeout: float = 180.0):
     with tempfile.TemporaryDirectory(prefix="kvrelay-serve-") as tmp:
         log = Path(tmp) / "serve.log"
         with open(log, "w") as out:
-            # workers on any free ports: --port + 1.. may be taken by another process here
-            base = () if "--worker-base-port" in args else ("--worker-base-port", "0")
+            base = () if "--worker-base-port" in args else ("--worker-base-port", str(free_port_run(4)))
             proc = subprocess.Popen([sys.executable, "-m", "kvrelay", "serve", "--port", str(port), *base, *args],
                                     stdout=out, stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"

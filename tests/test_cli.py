@@ -45,7 +45,7 @@ import httpx
 from kvrelay.cli import build_parser, config_from_args
 from kvrelay.core.config import KVRelayConfig, LifecycleConfig, ModelOptions, SchedulerConfig, TransferConfig
 from kvrelay.engine import kernels
-from serving_helpers import assert_no_leak, free_port
+from serving_helpers import assert_no_leak, free_port, free_port_run
 
 
 def parse(*argv: str) -> KVRelayConfig:
@@ -185,23 +185,6 @@ def answers(url: str) -> bool:
         return True
     except httpx.HTTPError:
         return False
-
-
-def free_port_run(n: int) -> int:
-    """A port p such that p .. p + n - 1 are all free now (serve's router and its workers)."""
-    import socket
-
-    for _ in range(50):
-        p = free_port()
-        try:
-            with contextlib.ExitStack() as stack:
-                for q in range(p, p + n):
-                    s = stack.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", q))
-            return p
-        except OSError:
-            continue
-    raise AssertionError(f"no run of {n} free ports")
 
 
 class Serve:

@@ -255,7 +255,8 @@ def test_a_config_json_reads_as_transformers_reads_it(arch, tmp_path):
 
 def test_a_start_imports_only_what_it_needs(tiny_dir):
     """The router's tokenizer comes without torch, and a worker's model load without
-    torch._dynamo or torch.distributed (each costs seconds at every start on a small CPU)."""
+    torch._dynamo, torch.distributed or sympy (each costs up to seconds at every start on a
+    small CPU)."""
     import subprocess
     import sys
 
@@ -267,7 +268,7 @@ tok = router_tokenizer(ModelOptions(model="random:{tiny_dir}"))
 print(type(tok).__name__, "torch" in sys.modules)
 from kvrelay.engine.loader import load_model
 loaded = load_model(ModelOptions(model="random:{tiny_dir}", dtype="float32"))
-print(loaded.arch.architecture, sorted(m for m in ("torch._dynamo", "torch.distributed.tensor") if m in sys.modules))
+print(loaded.arch.architecture, sorted(m for m in ("torch._dynamo", "torch.distributed.tensor", "sympy") if m in sys.modules))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -148,10 +148,20 @@ def _max_model_len(arch: ArchConfig, cfg) -> int:
 
 
 def _build_model(arch: ArchConfig, dtype: str, device: str) -> CausalLM:
-    """The module with uninitialised storage: built on the meta device, then materialised."""
+    """The module with uninitialised storage: built on the meta device, then every parameter
+    and buffer replaced by an empty tensor on `device`, floating ones in `dtype` (what
+    `.to(dtype).to_empty(device)` does, without the meta arithmetic that imports sympy)."""
     with torch.device("meta"):
         model = MODELS.get(arch.architecture)(arch)
-    return model.to(TORCH_DTYPES[dtype]).to_empty(device=device).eval()
+    want = TORCH_DTYPES[dtype]
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                empty = torch.empty(t.shape, dtype=want if t.is_floating_point() else t.dtype, device=device)
+                table[name] = torch.nn.Parameter(empty, t.requires_grad) if table is module._parameters else empty
+    return model.eval()
 
 
 def _counted(named, total: int, progress: Progress | None):
