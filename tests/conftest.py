@@ -15,13 +15,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # `make test TEST_WORKERS=2` runs the suite on two pytest-xdist workers. A module is one
 # unit of work, so that its module-scoped cluster starts once; modules that share an
 # expensive session fixture are one unit, so that it is built once. Units go out longest
-# first (the order below, measured with --durations on a 2-core machine; then every other
+# first (the order below, measured with --durations on two workers on 2 cores; then every other
 # module in file order), so that no long module starts last while the other worker idles.
-SHARED_UNITS = {"tests/test_models.py": "default-model", "tests/test_engine.py": "default-model"}
-LONGEST_FIRST = ("test_chaos.py", "test_cluster.py", "test_e2e_disagg.py", "test_netns.py", "test_sim.py",
-                 "test_router.py", "test_engine.py", "test_models.py", "test_cli.py", "test_sim_mutants.py",
-                 "test_slow_worker.py", "test_worker_cores.py", "test_structured.py", "test_kv_int8.py",
-                 "test_clients.py")
+SHARED_UNITS = {"tests/test_models.py": "default-model", "tests/test_engine.py": "default-model",
+                "tests/test_e2e_disagg.py": "default-serve", "tests/test_e2e_default_model.py": "default-serve"}
+LONGEST_FIRST = ("test_chaos.py", "test_e2e_disagg.py", "test_netns.py", "test_sim.py", "test_engine.py",
+                 "test_cli.py", "test_cluster.py", "test_router.py", "test_sim_mutants.py", "test_slow_worker.py",
+                 "test_kv_int8.py", "test_structured.py", "test_prometheus.py", "test_conformance.py",
+                 "test_clients.py", "test_worker_cores.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -69,6 +70,16 @@ def tiny_engine(tiny_loaded):
                           SchedulerConfig(max_running_requests=32, max_prefill_tokens=1024))
     yield engine
     engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def default_colocated():
+    """`kvrelay serve --mode colocated` on the default model (one process), shared by the
+    end-to-end modules; each checks that it leaked nothing."""
+    from serving_helpers import running_server
+
+    with running_server("--mode", "colocated", "--max-kv-tokens", "16384") as url:
+        yield url
 
 
 @pytest.fixture

@@ -6,15 +6,14 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from serving_helpers import assert_no_leak, gauge, metric_samples, running_server
+from serving_helpers import assert_no_leak, gauge, metric_samples
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running_server("--mode", "colocated", "--max-kv-tokens", "16384") as url:
-        yield url
+@pytest.fixture
+def server(default_colocated):
+    return default_colocated
 
 
 def test_openai_client_chat_mentions_paris(server):

@@ -34,9 +34,11 @@ def greedy_outputs(url: str, prompts: list[str] = PROMPTS) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def colocated_tokens():
-    with running_server("--mode", "colocated", *SERVER_ARGS) as url:
-        return greedy_outputs(url)
+def colocated_tokens(default_colocated):
+    """The colocated server (conftest) runs with SERVER_ARGS too."""
+    tokens = greedy_outputs(default_colocated)
+    assert_no_leak(default_colocated)
+    return tokens
 
 
 @pytest.fixture(scope="module")

@@ -91,3 +91,40 @@ def test_a_lost_destination_does_not_hold_the_quarantine(backend):
         assert H.d_released == {1: 1}
     finally:
         H.close()
+
+
+def test_a_room_prefill_never_got_does_not_hold_the_quarantine(backend):
+    """The room's leg never reached P (P was frozen when the router sent both legs), D sent
+    its Destination and then ended the room (the router's deadline). P answers D's Notice and
+    Destination for a room it never had with Stopped at once: the pages come back long before
+    the backstop (before, D held them for transfer_timeout + quarantine_grace). The leg, should
+    it reach P afterwards, fails at once and writes nothing into the released pages."""
+    H = Harness(backend, cfg=with_cfg(transfer_timeout=100.0, quarantine_grace=100.0))
+    try:
+        H.request(1, on_p=False)
+        H.to_phase(1, "D", "waiting")
+        pages = list(H.D.lc.rooms[1].data["pages"])
+        H.D.abort(1)
+        t0 = H.clock.now()
+        assert H.run_until(lambda: 1 not in H.D.lc.rooms and not H.D.quarantine, 10)
+        assert H.clock.now() - t0 <= 2 * H.cfg.heartbeat_interval + 0.5
+        assert H.d_released == {1: 1}
+
+        H.request(2, n_pages=len(pages))                # the released pages get a new owner
+        H.prefill(2, seed=222)
+        ready = []
+        assert H.run_until(lambda: bool(ready.extend(H.D.take_ready()) or ready), 10)
+        assert sorted(H.D.lc.rooms[2].data["pages"]) == sorted(pages)
+        before = checksum(H.d_pages(pages))
+
+        H.request(1, on_d=False)                        # room 1's leg reaches P at last
+        assert H.run_until(lambda: H.event("P", 1) is not None, 10)
+        assert H.event("P", 1)[1].reason in ("peer_failed", "aborted")
+        assert H.phase("P", 1) is None
+        H.step(20)
+        assert checksum(H.d_pages(pages)) == before
+        H.D.finish(2)
+        H.assert_no_leak()
+        assert H.d_released == {1: 1, 2: 1}
+    finally:
+        H.close()

@@ -253,6 +253,69 @@ def test_a_config_json_reads_as_transformers_reads_it(arch, tmp_path):
     assert stated >= 5
 
 
+def test_the_default_gguf_reads_as_transformers_config_class_reads_it(monkeypatch):
+    """The default model's GGUF metadata states every field: kvrelay reads it without
+    transformers' config classes (seconds at every worker start), and that reading gives the
+    same architecture, context length, EOS and init range as the class would."""
+    from types import SimpleNamespace
+
+    from kvrelay.engine import loader
+
+    path = default_gguf_path()
+    reader = loader._open_gguf(path)
+    ours = loader._gguf_hf_config(reader, path)
+    assert isinstance(ours, SimpleNamespace)
+    monkeypatch.setattr(loader, "_stated_config", lambda raw: None)
+    theirs = loader._gguf_hf_config(reader, path)
+    assert not isinstance(theirs, SimpleNamespace)
+    assert _reading(ours) == _reading(theirs)
+    assert ours.tie_word_embeddings == theirs.tie_word_embeddings
+
+
+def test_a_gguf_tokenizer_is_converted_once_and_the_cached_one_is_the_same(tmp_path, monkeypatch):
+    """The first start converts the GGUF vocabulary and keeps the result; the next loads that,
+    and it tokenizes, detokenizes and templates exactly as the converted one. A damaged entry
+    is converted again; an unwritable cache directory only means converting every time."""
+    from kvrelay.engine import tokenizer_cache
+    from kvrelay.engine.sources import auto_tokenizer
+
+    path = default_gguf_path()
+    st = path.stat()
+    stamp = (st.st_size, st.st_mtime_ns)
+    converted = []
+
+    def convert():
+        converted.append(1)
+        return auto_tokenizer(path.parent, gguf_file=path.name)
+
+    monkeypatch.setenv("KVRELAY_CACHE", str(tmp_path / "cache"))
+    fresh = tokenizer_cache.load_or_convert(path, stamp, convert)
+    cached = tokenizer_cache.load_or_convert(path, stamp, convert)
+    assert len(converted) == 1 and cached is not fresh
+    texts = ["Hello world", "  spaces  and\ttabs\n", "héllo ñ 日本語 🙂", "<|im_start|>user\nhi<|im_end|>",
+             "def f(x):\n    return x"]
+    for text in texts:
+        ids = fresh.encode(text)
+        assert cached.encode(text) == ids and cached.decode(ids) == fresh.decode(ids)
+        assert cached.decode(ids, skip_special_tokens=True) == fresh.decode(ids, skip_special_tokens=True)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert (cached.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == fresh.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+    assert (cached.all_special_tokens, cached.eos_token_id, cached.bos_token_id, len(cached)) == \
+        (fresh.all_special_tokens, fresh.eos_token_id, fresh.bos_token_id, len(fresh))
+
+    entry = tokenizer_cache.entry_for(path, stamp)
+    (entry / "tokenizer.json").write_text("{not json")
+    assert tokenizer_cache.load_or_convert(path, stamp, convert).encode(texts[0]) == fresh.encode(texts[0])
+    assert len(converted) == 2 and json.loads((entry / "tokenizer.json").read_text())   # written again
+    assert tokenizer_cache.entry_for(path, (stamp[0], stamp[1] + 1)) != entry           # a changed file: a new key
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("KVRELAY_CACHE", str(tmp_path / "file"))                      # cannot hold a directory
+    assert tokenizer_cache.load_or_convert(path, stamp, convert).encode(texts[0]) == fresh.encode(texts[0])
+    assert len(converted) == 3
+
+
 def test_a_start_imports_only_what_it_needs(tiny_dir):
     """The router's tokenizer comes without torch, and a worker's model load without
     torch._dynamo, torch.distributed or sympy (each costs up to seconds at every start on a

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from unittest import mock
 
 import pytest
 import torch
@@ -196,15 +197,21 @@ def default_pair():
 def hf_reference_from_gguf():
     """transformers' own GGUF conversion (name mapping, q/k un-permute) into its Llama.
     Built on the meta device and assigned, since from_pretrained(gguf_file=...) needs
-    `accelerate`. Built once per test session (~30 s here): callers only run it."""
+    `accelerate`. Built once per test session: callers only run it.
+    transformers parses the file twice (config, then tensors) and rebuilds gguf's tensor
+    name map once per module, 397 times: both are pure functions of their arguments, so
+    they run cached here (the conversion itself stays transformers' own; ~30 s before)."""
+    import gguf
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     path = default_gguf_path()
-    cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf)["tensors"]
+    with mock.patch.object(gguf, "GGUFReader", functools.lru_cache(maxsize=1)(gguf.GGUFReader)), \
+            mock.patch.object(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=4)(gguf.get_tensor_name_map)):
+        cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf)["tensors"]
     missing, unexpected = hf.load_state_dict(tensors, strict=False, assign=True)
     assert missing == ["lm_head.weight"] and not unexpected  # tied to the embedding
     hf.tie_weights()

@@ -93,7 +93,7 @@ class Leases:
 
 class Coordinator(ABC):
     """Shared by both sides. Subclasses define the side's reactions; `step()` order:
-    pump the backend, read heartbeats, poll every room, watchdog, heartbeat out."""
+    pump the backend, poll every room, read heartbeats, watchdog, heartbeat out."""
     side = ""
 
     def __init__(self, cfg: LifecycleConfig, manager: TransferManager, clock: Clock,
@@ -142,8 +142,11 @@ class Coordinator(ABC):
     def step(self) -> None:
         """One scheduler iteration. Never blocks."""
         self.manager.progress()
-        self._read_heartbeats()
+        # The rooms' own endpoints first: a peer sends a room's Notice before any heartbeat
+        # that lists the room ended, so when both arrived in one iteration the Notice's
+        # reason (transfer_error, say) is the one the room ends with, not peer_failed.
         self._poll_rooms()
+        self._read_heartbeats()
         if not mutation.on("timeouts_only_after_batch"):  # TensorRT-LLM #17124: see WorkerCore._engine_step
             self._watchdog()
         self._beat()

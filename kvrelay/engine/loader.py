@@ -345,8 +345,8 @@ def _open_gguf(path: Path) -> GGUFFile:
 
 
 def _gguf_hf_config(reader: GGUFFile, path: Path):
-    """The HF config the GGUF metadata describes, built through transformers."""
-    from transformers import AutoConfig
+    """The HF config the GGUF metadata describes: read as it stands where it states every
+    field (as a config.json may), else built through transformers' config class."""
     model_type = reader.metadata.get("general.architecture")
     if model_type not in _MODEL_TYPES:
         raise ModelLoadError(f"{path.name}: unsupported GGUF architecture {model_type!r}; "
@@ -368,6 +368,10 @@ def _gguf_hf_config(reader: GGUFFile, path: Path):
     for tok in ("bos", "eos", "pad"):
         kw[f"{tok}_token_id"] = reader.metadata.get(f"tokenizer.ggml.{tok}_token_id")
     kw["architectures"] = [_MODEL_TYPES[model_type]]
+    stated = _stated_config({"model_type": model_type, **kw})
+    if stated is not None:
+        return stated
+    from transformers import AutoConfig
     return AutoConfig.for_model(model_type, **kw)
 
 

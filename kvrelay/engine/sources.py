@@ -113,12 +113,14 @@ def auto_tokenizer(path: Path, **kw):
 
 @lru_cache(maxsize=4)
 def _gguf_tokenizer(path: str, stamp: tuple[int, int]):
+    from kvrelay.engine.tokenizer_cache import load_or_convert
     p = Path(path)
-    return auto_tokenizer(p.parent, gguf_file=p.name)
+    return load_or_convert(p, stamp, lambda: auto_tokenizer(p.parent, gguf_file=p.name))
 
 
 def gguf_tokenizer(path: Path):
-    """The tokenizer stored in a GGUF file, cached per process (conversion takes seconds)."""
+    """The tokenizer stored in a GGUF file, cached per process and on disk (conversion takes
+    seconds: kvrelay/engine/tokenizer_cache.py)."""
     st = path.stat()
     return _gguf_tokenizer(str(path.resolve()), (st.st_size, st.st_mtime_ns))
 

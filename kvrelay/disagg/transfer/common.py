@@ -460,7 +460,9 @@ class CommonManager(TransferManager):
         if room in self._senders:
             raise ValueError(f"room {room} already has a sender")
         snd = self._senders[room] = CommonSender(self, room)
-        self._closed.pop(room, None)
+        _, ended = self._closed.pop(room, (0.0, None))
+        if ended is not None and ended.status is S.FAILED:  # a room that ended stays ended
+            snd._set_failed(ended.failure_reason or "peer_failed", ended.failure_detail)
         for rcv in self._early.pop(room, (0.0, []))[1]:
             self._dispatch(rcv)
         return snd
@@ -671,6 +673,8 @@ class CommonManager(TransferManager):
                 snd.init(msg, r.src)
             elif room in self._closed:
                 self._closed[room][1].init(msg, r.src)  # a failed tombstone answers with a Notice
+            elif (notice := self._early_failure(room, r.src, msg.epoch)) is not None:
+                self._stop_unheard(room, notice, msg, r.src)
             else:
                 self._buffer_early(room, r)
         elif isinstance(msg, wire.Ack) and snd is not None:
@@ -686,6 +690,26 @@ class CommonManager(TransferManager):
             rcv.on_aux(msg)
         elif isinstance(msg, wire.Stopped) and rcv is not None:
             rcv.on_stopped(msg)
+
+    def _early_failure(self, room: int, src: str, epoch: int) -> wire.Notice | None:
+        """The failure Notice `src` sent for (room, epoch) before this worker got the room."""
+        for held in self._early.get(room, (0.0, []))[1]:
+            msg = held.msg
+            if isinstance(msg, wire.Notice) and held.src == src and msg.epoch in (epoch, 0):
+                return msg
+        return None
+
+    def _stop_unheard(self, room: int, notice: wire.Notice, dest: wire.Destination, src: str) -> None:
+        """D ended (room, epoch) before P got the room's leg and asks (Notice, then the
+        Destination) whether P may still write. P never wrote into it, so it answers Stopped
+        at once, and keeps a failed tombstone for the tombstone TTL: the leg, should it
+        still come, starts failed and never writes into pages D has released."""
+        self._early.pop(room, None)
+        snd = CommonSender(self, room)
+        snd._set_failed(_peer_reason(notice), f"decode: {notice.reason}")
+        snd.init(dest, src)   # a failed sender answers Notice + Stopped
+        snd.stopped_sent = True
+        self._tombstone(snd)
 
     def _buffer_early(self, room: int, r: Received) -> None:
         """A message for a room this worker has not been given yet (the router sends to P
@@ -727,6 +751,9 @@ class CommonManager(TransferManager):
         del self._senders[snd.room]
         if snd.status is S.FAILED and not snd.stopped_sent:
             self._draining.append(snd)
+        self._tombstone(snd)
+
+    def _tombstone(self, snd: CommonSender) -> None:
         ttl = self.lifecycle.bootstrap_timeout + self.lifecycle.transfer_timeout + self.lifecycle.quarantine_grace
         self._closed.pop(snd.room, None)  # re-insert at the end: the dict stays in expiry order
         self._closed[snd.room] = (self.clock.now() + ttl, snd)

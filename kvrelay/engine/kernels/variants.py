@@ -26,6 +26,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from kvrelay.core.cache import cache_root
+
 log = logging.getLogger("kvrelay.kernels")
 HERE = Path(__file__).parent
 RECIPE = "compile, then link without -ffast-math"   # part of the cache key: a new recipe rebuilds
@@ -59,9 +61,7 @@ class IsaUnavailable(ValueError):
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("KVRELAY_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvrelay")
-    return Path(base) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _compiler() -> str | None:
