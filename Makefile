@@ -7,6 +7,7 @@ BASE := $(VENV)/.base-installed
 NIXL := $(VENV)/.nixl-installed
 TESTDEPS := $(VENV)/.test-installed
 PROMETHEUS := $(VENV)/.prometheus-installed
+IPTABLES := $(VENV)/.iptables-installed
 CLIENTS := $(VENV)/.clients-installed
 ARGS ?=
 
@@ -49,13 +50,20 @@ $(PROMETHEUS):
 	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }; }
 	touch $@
 
-# TEST_WORKERS=2: two pytest-xdist workers, a module (or a group sharing one fixture) each
-# at a time, longest first (tests/conftest.py). About 14 instead of 18 minutes on 2 cores,
-# but the machine is then loaded twice over, and tests that hold real processes to short
-# leases or answer-time bounds can miss them (five runs, five different misses; each fixed
-# where the test, not the bound, was wrong); until none does, one process is the default.
-TEST_WORKERS ?= 0
-test: $(BASE) $(NIXL) $(TESTDEPS) $(PROMETHEUS) $(CLIENTS)
+# iptables for tests/test_netns.py's faults (apt, as root; the netns tests need root anyway).
+# Where it cannot be had, those tests skip and say why.
+$(IPTABLES):
+	command -v iptables >/dev/null || apt-get install -y -qq --no-install-recommends iptables >/dev/null 2>&1 || \
+	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends iptables >/dev/null 2>&1; } || \
+	  echo "iptables could not be installed: tests/test_netns.py will skip"
+	touch $@
+
+# Two pytest-xdist workers: a module (or a group sharing one fixture) is a unit of work,
+# longest first; the modules that hold real processes to short leases or answer-time
+# bounds run last, one at a time, with nothing else running (tests/conftest.py).
+# TEST_WORKERS=0 runs everything in one process, in file order.
+TEST_WORKERS ?= 2
+test: $(BASE) $(NIXL) $(TESTDEPS) $(PROMETHEUS) $(IPTABLES) $(CLIENTS)
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(ARGS)
 
 # Real-process chaos, one seeded episode per seed (tests/chaos.py; docs/operations.md).
