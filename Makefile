@@ -78,8 +78,11 @@ JOBS ?= 2
 sim: $(BASE)
 	$(PY) -m kvrelay.sim --seeds $(SEEDS) --jobs $(JOBS) $(ARGS)
 
+# `kvrelay bench` against a `kvrelay serve` it starts (SERVE: its flags) and stops; ARGS: bench flags
+# (docs/benchmarking.md), e.g. make bench SERVE="--mode colocated" ARGS="--workload mixed".
+SERVE ?=
 bench: $(BASE)
-	$(PY) benchmarks/serving.py --spawn $(ARGS)
+	$(PY) -m kvrelay bench --spawn "$(SERVE)" $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,4 +1,4 @@
-"""What structured output costs: workload (b) of benchmarks/serving.py (32 concurrent
+"""What structured output costs: workload (b) of `kvrelay bench` (32 concurrent
 requests, 256 prompt tokens, 128 output tokens each, greedy, ignore_eos) against a
 colocated server, unconstrained and with every request constrained by a JSON schema, in
 alternating rounds. The schema (an array of at least 64 records) is never complete
@@ -18,13 +18,17 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import time
 
 import httpx
 
-from serving import WORKLOADS, spawn_server
+from rich.console import Console
+
+from kvrelay.bench.config import SHAPES
+from kvrelay.bench.run import spawn_server
 
 SCHEMA = {
     "type": "object",
@@ -64,7 +68,8 @@ def cpu_seconds(pid: int | None) -> float:
 async def round_(url: str, extra: dict, seed: int, pid: int | None = None) -> tuple[float, float]:
     """(output tokens/s, server CPU ms per output token) of one run of workload (b); the
     CPU figure (0 without `pid`) holds up better than wall time when others share the cores."""
-    concurrency, prompt_len, out_len = WORKLOADS["b"]
+    b = SHAPES["b"]
+    concurrency, prompt_len, out_len = b.requests, int(b.prompt_len), int(b.output_len)
     rng = random.Random(seed)
     prompts = [[rng.randrange(1000, 20000) for _ in range(prompt_len)] for _ in range(concurrency)]
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0)) as client:
@@ -97,8 +102,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.passive_omp:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"   # inherited by the spawned server
-    proc = spawn_server(args.port, ["--mode", "colocated", *args.serve_args]) if args.spawn else None
-    url = f"http://127.0.0.1:{args.port}" if args.spawn else args.url.rstrip("/")
+    proc, url = None, args.url.rstrip("/")
+    if args.spawn:
+        proc, url = spawn_server(shlex.join(["--mode", "colocated", *args.serve_args]), Console(), args.port)
     pid = proc.pid if proc is not None else args.pid
     plain, constrained = [], []
     try:

@@ -36,6 +36,8 @@ COMMAND_HELP = {
     "router": "run the router in front of prefill and decode workers started elsewhere",
     "keygen": "print a new random cluster key (kvrelay keygen > cluster.key && chmod 600 cluster.key; "
               "give every process of the cluster --cluster-key-file cluster.key)",
+    "bench": "benchmark an OpenAI-compatible server (kvrelay, vLLM, SGLang, llama.cpp, ...): throughput, TTFT, "
+             "TPOT, ITL, goodput under SLOs; --compare several servers in alternating rounds (docs/benchmarking.md)",
     "version": "print the versions of kvrelay and of the packages it serves with",
 }
 NIXL_HINT = "the nixl transfer backend is not installed: run `make nixl` (or `pip install --no-deps nixl==1.5.1 " \
@@ -67,7 +69,12 @@ def _flag_type(tp) -> tuple[type, bool]:
 
 def add_section_flags(parser: argparse.ArgumentParser, section: str, skip: typing.Collection[str] = ()) -> None:
     """One flag per field of config section `section`, except the `section.field` names in `skip`."""
-    cls = typing.get_type_hints(KVRelayConfig)[section]
+    add_dataclass_flags(parser, typing.get_type_hints(KVRelayConfig)[section], section, skip)
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, section: str,
+                        skip: typing.Collection[str] = ()) -> None:
+    """One flag per field of frozen config dataclass `cls`, its value stored as `section.field`."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(section)
     for f in dataclasses.fields(cls):
@@ -134,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "on this host; colocated: one process does prefill and decode (default: disagg)")
         for section in sections:
             add_section_flags(p, section, SKIPPED.get(command, ()))
+    p = sub.add_parser("bench", help=COMMAND_HELP["bench"], description=COMMAND_HELP["bench"])
+    from kvrelay.bench.config import BenchConfig
+    add_dataclass_flags(p, BenchConfig, "bench")
     for command in ("keygen", "version"):
         sub.add_parser(command, help=COMMAND_HELP[command], description=COMMAND_HELP[command])
     return parser
@@ -203,6 +213,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "version":
         print_versions()
         return
+    if args.command == "bench":
+        from kvrelay.bench.config import BenchConfig
+        from kvrelay.bench.run import main as bench_main
+
+        try:
+            bench = BenchConfig(**{k.split(".", 1)[1]: tuple(v) if isinstance(v, list) else v
+                                   for k, v in vars(args).items() if k.startswith("bench.")})
+        except ValueError as exc:
+            fail(str(exc))
+        raise SystemExit(bench_main(bench))
     try:
         config = config_from_args(args)
     except ValueError as exc:

@@ -1,0 +1,181 @@
+"""A bench run: the workload built once per rate from the seed, sent to each server in
+turn, round after round; then the tables, result.json and the plots.
+
+Rounds alternate the servers' order (A B C, then C B A, ...) so that a machine whose
+speed drifts during the run favours none of them.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvrelay.bench import report
+from kvrelay.bench.client import Outcome, Target, send, served_model
+from kvrelay.bench.config import BenchConfig
+from kvrelay.bench.metrics import summarise
+from kvrelay.bench.workload import Item, Turn, as_text, build, load_tokenizer
+
+
+class BenchError(Exception):
+    """What stops a run before it measures anything, in one line."""
+
+
+async def run_items(client: httpx.AsyncClient, target: Target, items: list[Item], cfg: BenchConfig,
+                    advance=lambda: None) -> tuple[list[Outcome], float]:
+    """Send every item at its arrival time (a conversation's turns one after another);
+    returns each turn's outcome and the seconds from the start to the last answer."""
+    gate = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else contextlib.nullcontext()
+    t0 = time.perf_counter()
+    outcomes: list[Outcome] = []
+
+    async def one(item: Item) -> None:
+        await asyncio.sleep(max(0.0, t0 + item.arrival - time.perf_counter()))
+        history: list[dict] = []
+        for k, turn in enumerate(item.turns):
+            async with gate:
+                o = await send(client, target, turn, history, item.index, k, t0)
+            outcomes.append(o)
+            advance()
+            if not o.ok:
+                return                      # the rest of a conversation cannot follow a failed turn
+            history += [{"role": "user", "content": turn.prompt}, {"role": "assistant", "content": o.text}]
+
+    await asyncio.gather(*(one(i) for i in items))
+    return sorted(outcomes, key=lambda o: (o.item, o.turn)), time.perf_counter() - t0
+
+
+def _record(o: Outcome) -> dict:
+    return {"item": o.item, "turn": o.turn, "ok": o.ok, "error": o.error, "start": o.start, "ttft": o.ttft,
+            "tpot": o.tpot, "e2e": o.e2e, "prompt_tokens": o.prompt_tokens, "output_tokens": o.output_tokens,
+            "expected_tokens": o.expected_tokens, "chunk_times": o.chunk_times}
+
+
+def _progress(cfg: BenchConfig, console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, disable=not cfg.progress, transient=True)
+
+
+async def _targets(client: httpx.AsyncClient, cfg: BenchConfig, servers, eos_ids) -> list[Target]:
+    out = []
+    for _, url in servers:
+        try:
+            model = cfg.model or await served_model(client, url)
+        except ValueError as exc:
+            raise BenchError(str(exc)) from None
+        out.append(Target(url, model, cfg.chat, eos_ids))
+    return out
+
+
+async def _warm(client: httpx.AsyncClient, targets: list[Target], servers) -> None:
+    for (name, _), target in zip(servers, targets):
+        o = await send(client, target, Turn("Hello" if target.chat else [1000, 1001, 1002, 1003], 4, 4), [],
+                       -1, 0, time.perf_counter())
+        if not o.ok:
+            raise BenchError(f"{name}: the warm-up request failed: {o.error}")
+
+
+async def bench(cfg: BenchConfig, servers: list[tuple[str, str]], console: Console) -> dict:
+    tokenizer = load_tokenizer(cfg.tokenizer) if cfg.chat or cfg.text_prompts else None
+    eos_ids = None
+    if cfg.text_prompts:
+        ids = {tokenizer.eos_token_id, tokenizer.bos_token_id,
+               *(tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))}
+        eos_ids = tuple(sorted(i for i in ids if isinstance(i, int) and i >= 0 and i != tokenizer.unk_token_id))
+    workloads = {}
+    for rate in cfg.rates:
+        items = build(cfg, rate)
+        if tokenizer is not None:
+            as_text(items, tokenizer)
+        workloads[rate] = items
+    runs = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout), limits=limits) as client:
+        targets = await _targets(client, cfg, servers, eos_ids)
+        if cfg.warmup:
+            await _warm(client, targets, servers)
+        order = list(zip(servers, targets))
+        for rnd in range(cfg.num_rounds):
+            for rate, items in workloads.items():
+                for (name, url), target in (order if rnd % 2 == 0 else order[::-1]):
+                    with _progress(cfg, console) as bar:
+                        task = bar.add_task(f"{name} rate {report._rate(rate)} round {rnd + 1}",
+                                            total=sum(len(i.turns) for i in items))
+                        outcomes, duration = await run_items(client, target, items, cfg,
+                                                             lambda: bar.advance(task))
+                    summary = summarise(outcomes, duration, cfg.slo_ttft, cfg.slo_tpot)
+                    runs.append({"server": name, "url": url, "model": target.model, "rate": rate, "round": rnd,
+                                 "summary": summary, "requests": [_record(o) for o in outcomes]})
+    return {"config": asdict(cfg), "machine": report.machine(), "servers": [n for n, _ in servers],
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": runs}
+
+
+def spawn_server(flags: str, console: Console, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """`kvrelay serve FLAGS` on `port` (default: a free one), once /health answers;
+    BenchError if it exits or is not ready in 300 s."""
+    import socket
+
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "kvrelay", "serve", "--port", str(port), *shlex.split(flags)]
+    console.print(f"starting: {shlex.join(cmd)}")
+    proc = subprocess.Popen(cmd)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise BenchError(f"`kvrelay serve {flags}` exited with {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        time.sleep(0.5)
+    proc.kill()
+    raise BenchError("the spawned server was not ready in 300 s")
+
+
+def main(cfg: BenchConfig) -> int:
+    console = Console(width=None if sys.stdout.isatty() else 170)
+    servers = cfg.servers()
+    proc = None
+    try:
+        if cfg.spawn is not None:
+            proc, url = spawn_server(cfg.spawn, console)
+            servers = [("kvrelay", url)]
+        result = asyncio.run(bench(cfg, servers, console))
+    except (BenchError, ValueError) as exc:
+        print(f"kvrelay bench: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if proc is not None:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+    m = result["machine"]
+    console.print(f"workload {cfg.workload}, {cfg.requests} {'conversations' if cfg.chat else 'requests'}, "
+                  f"seed {cfg.seed}; SLO: TTFT <= {cfg.slo_ttft:g} s, TPOT <= {cfg.slo_tpot * 1e3:g} ms; "
+                  f"CPU: {m['cpu']} ({', '.join(m['isa']) or 'no AVX2'}), {m['cores']} cores")
+    names = [n for n, _ in servers]
+    result["compare"] = report.show(console, result["runs"], names)
+    if cfg.result_dir:
+        out = Path(cfg.result_dir)
+        title = f"{cfg.workload}, seed {cfg.seed}, {m['cpu']}"
+        paths = [report.write_result(out, result), *report.plot(out, result["runs"], result["compare"], names, title)]
+        console.print("wrote " + ", ".join(str(p) for p in paths))
+    broken = [r for r in result["runs"] if r["summary"]["completed"] == 0]
+    if broken:
+        print(f"kvrelay bench: error: every request to {broken[0]['server']} failed: "
+              f"{broken[0]['summary']['first_error']}", file=sys.stderr)
+        return 1
+    return 0
+
+
