@@ -298,9 +298,9 @@ class Harness:
         self.cluster = c.start()
         self.refs = self.references()
 
-    def stop(self) -> None:
+    def stop(self, keep_logs: bool = False) -> None:
         if self.cluster is not None:
-            self.cluster.stop()
+            self.cluster.stop(keep_logs)
             self.cluster = None
 
     def references(self) -> dict[int, str]:
@@ -405,7 +405,7 @@ def run_seeds(seeds: list[int], configs: dict[int, tuple[int, int]], opts: Optio
                     log("\n".join(f"  {line}" for line in result["clients"]))
                 if result["problems"]:
                     result["logs"] = str(h.cluster.dir)
-                    h.stop()
+                    h.stop(keep_logs=True)
         finally:
             h.stop()
     return results

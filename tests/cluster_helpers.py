@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -140,13 +141,17 @@ class Cluster:
             time.sleep(0.2)
         raise AssertionError(f"router does not see every worker up: {table}")
 
-    def stop(self) -> None:
-        """Every process at once, as `kvrelay serve` stops its workers."""
+    def stop(self, keep_logs: bool = False) -> None:
+        """Every process at once, as `kvrelay serve` stops its workers; then their log
+        directory goes, unless `keep_logs` or KVRELAY_KEEP_TEST_LOGS=1 (a suite run would
+        otherwise leave a few hundred in /tmp)."""
         procs = [self.router, *self.workers]
         for p in procs:
             p.terminate()
         for p in procs:
             p.reap()
+        if not keep_logs and os.environ.get("KVRELAY_KEEP_TEST_LOGS") != "1":
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def logs(self) -> str:
         return "\n\n".join(f"== {p.name}\n{p.tail()}" for p in [self.router, *self.workers])

@@ -17,16 +17,17 @@ ISA_FLAGS = ("avx512_bf16", "amx_bf16", "avx512_vnni", "avx512f", "avx_vnni", "a
 
 def machine() -> dict:
     """The CPU every figure depends on (what `lscpu` calls its model name) and its ISA flags."""
-    model, flags = platform.processor() or platform.machine(), set()
+    model, flags = None, set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and model in ("", platform.processor(), platform.machine()):
+            if key.strip() == "model name" and model is None:
                 model = value.strip()
             elif key.strip() == "flags" and not flags:
                 flags = set(value.split())
     except OSError:
         pass
+    model = model or platform.processor() or platform.machine()
     return {"cpu": model, "isa": [f for f in ISA_FLAGS if f in flags], "cores": _cores()}
 
 

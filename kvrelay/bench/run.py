@@ -78,7 +78,8 @@ async def _targets(client: httpx.AsyncClient, cfg: BenchConfig, servers, eos_ids
 
 async def _warm(client: httpx.AsyncClient, targets: list[Target], servers) -> None:
     for (name, _), target in zip(servers, targets):
-        o = await send(client, target, Turn("Hello" if target.chat else [1000, 1001, 1002, 1003], 4, 4), [],
+        text = target.chat or target.eos_ids is not None     # a --text-prompts server may refuse ids
+        o = await send(client, target, Turn("Hello" if text else [1000, 1001, 1002, 1003], 4, 4), [],
                        -1, 0, time.perf_counter())
         if not o.ok:
             raise BenchError(f"{name}: the warm-up request failed: {o.error}")
