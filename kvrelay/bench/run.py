@@ -57,7 +57,7 @@ async def run_items(client: httpx.AsyncClient, target: Target, items: list[Item]
 def _record(o: Outcome) -> dict:
     return {"item": o.item, "turn": o.turn, "ok": o.ok, "error": o.error, "start": o.start, "ttft": o.ttft,
             "tpot": o.tpot, "e2e": o.e2e, "prompt_tokens": o.prompt_tokens, "output_tokens": o.output_tokens,
-            "expected_tokens": o.expected_tokens, "chunk_times": o.chunk_times}
+            "expected_tokens": o.expected_tokens, "chunk_times": [round(t, 5) for t in o.chunk_times]}
 
 
 def _progress(cfg: BenchConfig, console: Console) -> Progress:
@@ -86,6 +86,7 @@ async def _warm(client: httpx.AsyncClient, targets: list[Target], servers) -> No
 
 
 async def bench(cfg: BenchConfig, servers: list[tuple[str, str]], console: Console) -> dict:
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     tokenizer = load_tokenizer(cfg.tokenizer) if cfg.chat or cfg.text_prompts else None
     eos_ids = None
     if cfg.text_prompts:
@@ -117,7 +118,7 @@ async def bench(cfg: BenchConfig, servers: list[tuple[str, str]], console: Conso
                     runs.append({"server": name, "url": url, "model": target.model, "rate": rate, "round": rnd,
                                  "summary": summary, "requests": [_record(o) for o in outcomes]})
     return {"config": asdict(cfg), "machine": report.machine(), "servers": [n for n, _ in servers],
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": runs}
+            "started": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": runs}
 
 
 def spawn_server(flags: str, console: Console, port: int | None = None) -> tuple[subprocess.Popen, str]:
