@@ -82,7 +82,7 @@ sim: $(BASE)
 # (docs/benchmarking.md), e.g. make bench SERVE="--mode colocated" ARGS="--workload mixed".
 SERVE ?=
 bench: $(BASE)
-	$(PY) -m kvrelay bench --spawn "$(SERVE)" $(ARGS)
+	$(PY) -m kvrelay bench --spawn="$(SERVE)" $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

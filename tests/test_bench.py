@@ -178,9 +178,18 @@ def url(tiny_engine):
 
 
 def _bench(tmp_path, *flags, timeout=300):
-    done = subprocess.run([sys.executable, "-m", "kvrelay", "bench", "--no-progress", *flags],
+    """`kvrelay bench` as a process of its own (the command a user types)."""
+    return subprocess.run([sys.executable, "-m", "kvrelay", "bench", "--no-progress", *flags],
                           capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
-    return done
+
+
+def _bench_here(capsys, *flags) -> subprocess.CompletedProcess:
+    """The same command in this process (no second interpreter to start and import)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["bench", "--no-progress", *flags])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess([], exit_.value.code, out.out, out.err)
 
 
 def test_a_mixed_stream_against_a_live_server(url, tmp_path, tiny_engine):
@@ -223,9 +232,9 @@ def test_compare_runs_each_server_once_a_round_in_alternating_order(url, tmp_pat
     tiny_engine.check_idle()
 
 
-def test_multi_turn_sends_the_conversation_so_far(url, tmp_path, tiny_engine, tiny_llama_dir):
+def test_multi_turn_sends_the_conversation_so_far(url, tmp_path, tiny_engine, tiny_llama_dir, capsys):
     out = tmp_path / "mt"
-    done = _bench(tmp_path, "--url", url, "--workload", "multi-turn", "--num-requests", "2", "--turns", "3",
+    done = _bench_here(capsys, "--url", url, "--workload", "multi-turn", "--num-requests", "2", "--turns", "3",
                   "--prompt-len", "4-8", "--output-len", "3", "--rate", "inf", "--tokenizer", str(tiny_llama_dir),
                   "--result-dir", str(out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -239,16 +248,16 @@ def test_multi_turn_sends_the_conversation_so_far(url, tmp_path, tiny_engine, ti
     tiny_engine.check_idle()
 
 
-def test_text_prompts_against_a_live_server(url, tmp_path, tiny_engine, tiny_llama_dir):
-    done = _bench(tmp_path, "--url", url, "--workload", "b", "--num-requests", "3", "--prompt-len", "16",
+def test_text_prompts_against_a_live_server(url, tmp_path, tiny_engine, tiny_llama_dir, capsys):
+    done = _bench_here(capsys, "--url", url, "--workload", "b", "--num-requests", "3", "--prompt-len", "16",
                   "--output-len", "5", "--text-prompts", "--tokenizer", str(tiny_llama_dir))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "3/3" in done.stdout
     tiny_engine.check_idle()
 
 
-def test_refused_requests_are_counted_and_a_run_with_none_served_fails(url, tmp_path, tiny_engine):
-    done = _bench(tmp_path, "--url", url, "--workload", "a", "--prompt-len", "5000", "--output-len", "4")
+def test_refused_requests_are_counted_and_a_run_with_none_served_fails(url, tmp_path, tiny_engine, capsys):
+    done = _bench_here(capsys, "--url", url, "--workload", "a", "--prompt-len", "5000", "--output-len", "4")
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvrelay bench: error: every request to server failed: HTTP 400")
