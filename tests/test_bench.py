@@ -217,7 +217,7 @@ def test_compare_runs_each_server_once_a_round_in_alternating_order(url, tmp_pat
     out = tmp_path / "cmp"
     with pytest.raises(SystemExit) as exit_:
         cli_main(["bench", "--compare", f"one={url}", f"two={url}/", "--workload", "a", "--prompt-len", "8",
-                  "--output-len", "3", "--rounds", "3", "--rate", "inf", "50", "--no-progress", "--no-warmup",
+                  "--output-len", "3", "--rounds", "3", "--rate", "inf", "50", "--no-progress", "--warmup", "0",
                   "--result-dir", str(out)])
     assert exit_.value.code == 0
     result = json.loads((out / "result.json").read_text())
@@ -257,11 +257,16 @@ def test_text_prompts_against_a_live_server(url, tmp_path, tiny_engine, tiny_lla
 
 
 def test_refused_requests_are_counted_and_a_run_with_none_served_fails(url, tmp_path, tiny_engine, capsys):
-    done = _bench_here(capsys, "--url", url, "--workload", "a", "--prompt-len", "5000", "--output-len", "4")
+    done = _bench_here(capsys, "--url", url, "--workload", "a", "--prompt-len", "5000", "--output-len", "4",
+                       "--warmup", "0")
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvrelay bench: error: every request to server failed: HTTP 400")
     assert "0/1" in done.stdout
+    # with the default warm-up (the workload's first request), the same refusal stops the run before it measures
+    warm = _bench_here(capsys, "--url", url, "--workload", "a", "--prompt-len", "5000", "--output-len", "4")
+    assert warm.returncode == 1 and warm.stdout == ""
+    assert warm.stderr.strip().startswith("kvrelay bench: error: server: 1 of 1 warm-up requests failed: HTTP 400")
     tiny_engine.check_idle()
 
 

@@ -90,7 +90,9 @@ class BenchConfig:
                             "end-of-sequence ids instead of ignore_eos (servers without token prompts)")
     result_dir: str | None = _f(None, "write result.json and PNG plots (latency CDFs, goodput against rate) here")
     request_timeout: float = _f(600.0, "seconds one request may take before it counts as failed")
-    warmup: bool = _f(True, "send one short request to each server before measuring")
+    warmup: int = _f(1, "requests sent to each server before measuring: the first turns of the workload's first "
+                     "N requests, all at once, at most 16 output tokens each (0: none); a server that compiles "
+                     "per shape (vLLM) wants several")
     progress: bool = _f(True, "show a progress bar")
 
     def __post_init__(self) -> None:
@@ -102,6 +104,7 @@ class BenchConfig:
         _require(self.slo_ttft > 0 and self.slo_tpot > 0, "--slo-ttft and --slo-tpot must be positive")
         _require(self.rounds is None or self.rounds >= 1, "--rounds must be at least 1")
         _require(self.request_timeout > 0, "--request-timeout must be positive")
+        _require(self.warmup >= 0, "--warmup must be 0 or more")
         _require(not (self.compare and self.spawn is not None), "--compare and --spawn cannot be combined")
         _require(not (self.url and (self.compare or self.spawn is not None)),
                  "--url names the one server to benchmark: leave it out with --compare or --spawn")

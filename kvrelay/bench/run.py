@@ -76,13 +76,16 @@ async def _targets(client: httpx.AsyncClient, cfg: BenchConfig, servers, eos_ids
     return out
 
 
-async def _warm(client: httpx.AsyncClient, targets: list[Target], servers) -> None:
+async def _warm(client: httpx.AsyncClient, targets: list[Target], servers, items: list[Item], n: int) -> None:
+    """The first turns of the first `n` items, at once, capped at 16 output tokens; a
+    failure here is the server's, reported before anything is measured."""
+    turns = [Turn(i.turns[0].prompt, i.turns[0].prompt_len, min(16, i.turns[0].output_len)) for i in items[:n]]
     for (name, _), target in zip(servers, targets):
-        text = target.chat or target.eos_ids is not None     # a --text-prompts server may refuse ids
-        o = await send(client, target, Turn("Hello" if text else [1000, 1001, 1002, 1003], 4, 4), [],
-                       -1, 0, time.perf_counter())
-        if not o.ok:
-            raise BenchError(f"{name}: the warm-up request failed: {o.error}")
+        t0 = time.perf_counter()
+        done = await asyncio.gather(*(send(client, target, t, [], -1, 0, t0) for t in turns))
+        failed = [o for o in done if not o.ok]
+        if failed:
+            raise BenchError(f"{name}: {len(failed)} of {len(done)} warm-up requests failed: {failed[0].error}")
 
 
 async def bench(cfg: BenchConfig, servers: list[tuple[str, str]], console: Console) -> dict:
@@ -104,7 +107,7 @@ async def bench(cfg: BenchConfig, servers: list[tuple[str, str]], console: Conso
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout), limits=limits) as client:
         targets = await _targets(client, cfg, servers, eos_ids)
         if cfg.warmup:
-            await _warm(client, targets, servers)
+            await _warm(client, targets, servers, next(iter(workloads.values())), cfg.warmup)
         order = list(zip(servers, targets))
         for rnd in range(cfg.num_rounds):
             for rate, items in workloads.items():
