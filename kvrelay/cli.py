@@ -118,14 +118,16 @@ def flag_help(f: dataclasses.Field) -> str:
     return text.replace("%", "%%")
 
 
+def section_values(args: argparse.Namespace, section: str) -> dict:
+    """The parsed `section.field` flags as field values (a repeated flag's list as a tuple)."""
+    return {k.split(".", 1)[1]: tuple(v) if isinstance(v, list) else v
+            for k, v in vars(args).items() if k.startswith(section + ".")}
+
+
 def config_from_args(args: argparse.Namespace) -> KVRelayConfig:
     base = KVRelayConfig()
-    sections = {}
-    for f in dataclasses.fields(KVRelayConfig):
-        current = getattr(base, f.name)
-        values = {k.split(".", 1)[1]: tuple(v) if isinstance(v, list) else v
-                  for k, v in vars(args).items() if k.startswith(f.name + ".")}
-        sections[f.name] = dataclasses.replace(current, **values)
+    sections = {f.name: dataclasses.replace(getattr(base, f.name), **section_values(args, f.name))
+                for f in dataclasses.fields(KVRelayConfig)}
     return KVRelayConfig(**sections)
 
 
@@ -218,8 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         from kvrelay.bench.run import main as bench_main
 
         try:
-            bench = BenchConfig(**{k.split(".", 1)[1]: tuple(v) if isinstance(v, list) else v
-                                   for k, v in vars(args).items() if k.startswith("bench.")})
+            bench = BenchConfig(**section_values(args, "bench"))
         except ValueError as exc:
             fail(str(exc))
         raise SystemExit(bench_main(bench))

@@ -121,7 +121,7 @@ def show(console: Console, runs: list[dict], servers: list[str]) -> list[dict]:
 def write_result(out_dir: Path, result: dict) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "result.json"
-    path.write_text(json.dumps(_finite(result), indent=1, allow_nan=False))
+    path.write_text(json.dumps(_finite(result), separators=(",", ":"), allow_nan=False))
     return path
 
 
