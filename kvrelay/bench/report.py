@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 from pathlib import Path
 
@@ -32,11 +33,10 @@ def machine() -> dict:
 
 
 def _cores() -> int:
-    import os
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0)
 
 
-def _rate(r: float) -> str:
+def rate_label(r: float) -> str:
     return "inf" if math.isinf(r) else f"{r:g}"
 
 
@@ -51,7 +51,7 @@ def runs_table(runs: list[dict]) -> Table:
         t.add_column(col, justify="left" if col == "server" else "right")
     for r in runs:
         s = r["summary"]
-        t.add_row(r["server"], _rate(r["rate"]), str(r["round"] + 1), f"{s['completed']}/{s['requests']}",
+        t.add_row(r["server"], rate_label(r["rate"]), str(r["round"] + 1), f"{s['completed']}/{s['requests']}",
                   f"{s['request_throughput']:.3f}", f"{s['output_throughput']:.1f}",
                   _ms(s["ttft_s"]["p50"]), _ms(s["ttft_s"]["p99"]), _ms(s["tpot_s"]["p50"]),
                   _ms(s["tpot_s"]["p99"]), _ms(s["itl_s"]["p99"]), _ms(s["e2e_s"]["p50"]),
@@ -98,7 +98,7 @@ def compare_table(rows: list[dict]) -> Table:
             v, x = row["median"][label], row["ratio"][label]
             shown = "-" if v is None else (f"{v * 1e3:.0f} ms" if label.endswith(("p50",)) else f"{v:.3f}")
             cells.append(shown if x is None else f"{shown} ({x:.2f}x)")
-        t.add_row(row["server"], _rate(row["rate"]), *cells)
+        t.add_row(row["server"], rate_label(row["rate"]), *cells)
     return t
 
 
@@ -107,7 +107,7 @@ def show(console: Console, runs: list[dict], servers: list[str]) -> list[dict]:
     for r in runs:
         s = r["summary"]
         if s["failed"]:
-            console.print(f"[yellow]{r['server']} (rate {_rate(r['rate'])}, round {r['round'] + 1}): "
+            console.print(f"[yellow]{r['server']} (rate {rate_label(r['rate'])}, round {r['round'] + 1}): "
                           f"{s['failed']} of {s['requests']} requests failed; first: {s['first_error']}")
         if s["short_outputs"]:
             console.print(f"[yellow]{r['server']}: {s['short_outputs']} requests returned fewer tokens than "
@@ -148,7 +148,7 @@ def plot(out_dir: Path, runs: list[dict], rows: list[dict], servers: list[str], 
     for name in servers:
         for rate in dict.fromkeys(r["rate"] for r in runs):
             reqs = [q for r in runs if r["server"] == name and r["rate"] == rate for q in r["requests"] if q["ok"]]
-            label = name if len({r["rate"] for r in runs}) == 1 else f"{name} @ {_rate(rate)}/s"
+            label = name if len({r["rate"] for r in runs}) == 1 else f"{name} @ {rate_label(rate)}/s"
             for ax, key in zip(axes, ("ttft", "tpot", "e2e")):
                 vals = sorted(q[key] for q in reqs if q[key] is not None)
                 if vals:

@@ -113,7 +113,7 @@ async def bench(cfg: BenchConfig, servers: list[tuple[str, str]], console: Conso
             for rate, items in workloads.items():
                 for (name, url), target in (order if rnd % 2 == 0 else order[::-1]):
                     with _progress(cfg, console) as bar:
-                        task = bar.add_task(f"{name} rate {report._rate(rate)} round {rnd + 1}",
+                        task = bar.add_task(f"{name} rate {report.rate_label(rate)} round {rnd + 1}",
                                             total=sum(len(i.turns) for i in items))
                         outcomes, duration = await run_items(client, target, items, cfg,
                                                              lambda: bar.advance(task))
