@@ -47,9 +47,12 @@ from kvrelay.engine.types import GenerateRequest, SamplingParams
 
 TEXT_PACKAGE, TEXT_FILE = "litellm", "proxy/common_utils/codex_base_instructions.md"
 REFERENCE = "bf16"
-# format name -> (dtype, quantization); None: the --dtype flag (auto by default).
-FORMATS = {"bf16": ("bfloat16", "none"), "fp32": ("float32", "none"),
-           "int8": (None, "int8"), "int4": (None, "int4"), "gguf": (None, "gguf")}
+# format name -> (dtype, quantization, lm-head quantization); None: the --dtype flag (auto by
+# default). int8/int4/gguf keep the head as --lm-head-quantization auto does (int8, int8, the
+# file's blocks); the "head-..." variants set it.
+FORMATS = {"bf16": ("bfloat16", "none", "auto"), "fp32": ("float32", "none", "auto"),
+           "int8": (None, "int8", "auto"), "int4": (None, "int4", "auto"), "gguf": (None, "gguf", "auto"),
+           "int4-head-float": (None, "int4", "none"), "int4-head-int4": (None, "int4", "int4")}
 PROMPTS = [
     "What is the capital of France?",
     "Explain photosynthesis in two sentences.",
@@ -140,8 +143,11 @@ def weight_bytes_of(root) -> int:
 
 def format_bytes(model: torch.nn.Module, store: str) -> int:
     """Bytes of the weights in their stored format, one copy: a quantized Linear's own
-    tensors, any other Linear at `store`'s width (bf16: 2 bytes), every other parameter as is."""
-    total = 0
+    tensors, any other Linear at `store`'s width (bf16: 2 bytes), every other parameter as is,
+    and a tied head's own quantized copy."""
+    store = store.split(",")[0]   # "int4, lm_head int8": the head is a quantized Linear or copy
+    head = getattr(model, "_head_quant", None)
+    total = weight_bytes_of(head) if head is not None else 0
     for m in model.modules():
         own = [p for p in m.parameters(recurse=False) if p.numel()]
         if isinstance(m, Linear):
@@ -217,7 +223,7 @@ def greedy_tokens(loaded, prompts: list[list[int]], new_tokens: int) -> list[lis
 
 
 def run_format(name: str, args, ids: list[int]) -> Run:
-    dtype, quant = FORMATS[name]
+    dtype, quant, head = FORMATS[name]
     run, clock = Run(name), time.perf_counter()
 
     def lap(phase: str) -> None:
@@ -226,7 +232,7 @@ def run_format(name: str, args, ids: list[int]) -> Run:
 
     try:
         loaded = load_model(ModelOptions(model=args.model, dtype=dtype or args.dtype, quantization=quant,
-                                         kernels=args.kernels))
+                                         lm_head_quantization=head, kernels=args.kernels))
         run.dtype, run.weights, run.kernels = loaded.dtype, loaded.weights, loaded.kernels
         run.weight_mb = format_bytes(loaded.model, loaded.weights) / 1e6
         run.held_mb = weight_bytes(loaded.model) / 1e6

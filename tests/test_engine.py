@@ -94,6 +94,45 @@ def test_batching_is_invisible_for_16_mixed_requests(tiny_engine):
     tiny_engine.check_idle()
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_mixed_steps_keep_greedy_outputs(tiny_loaded, kv_dtype):
+    """Requests arriving while others decode: with --target-tpot each step decodes the
+    running batch beside a chunk of the next prompt (16-token chunks here). Every request's
+    greedy tokens equal its tokens alone, and mixed steps did happen."""
+    from kvrelay.engine.core import EngineCore
+    tok = tiny_loaded.tokenizer
+    base = tok("Chunked prefill shares each forward pass with the running decodes. " * 8,
+               add_special_tokens=False)["input_ids"]
+    jobs = [(f"m-{i}", base[i:i + 20 + 17 * i], greedy(max_tokens=12)) for i in range(5)]
+
+    def run(arrivals: dict[int, list]) -> tuple[dict[str, list[int]], list[tuple[int, int]]]:
+        core = EngineCore(tiny_loaded, KVCacheConfig(page_size=4, max_kv_tokens=1024, kv_cache_dtype=kv_dtype),
+                          SchedulerConfig(max_running_requests=8, max_prefill_tokens=16, target_tpot=0.1))
+        outs: dict[str, list[int]] = {}
+        steps, schedule = [], core.scheduler.schedule
+
+        def spy():
+            batch = schedule()
+            steps.append((len(batch.decode), sum(i.length for i in batch.prefill)))
+            return batch
+        core.scheduler.schedule = spy
+        n = 0
+        while n <= max(arrivals) or core.has_work:
+            for rid, prompt, params in arrivals.get(n, []):
+                core.add(GenerateRequest(rid, tuple(prompt), params),
+                         lambda o: outs.setdefault(o.rid, []).extend(o.token_ids))
+            core.step()
+            n += 1
+        core.check_idle()
+        return outs, steps
+    alone = {rid: run({0: [(rid, p, params)]})[0][rid] for rid, p, params in jobs}
+    together, steps = run({3 * i: [job] for i, job in enumerate(jobs)})
+    assert together == alone
+    assert all(len(t) == 12 for t in together.values())
+    assert any(d and p for d, p in steps)                        # decodes and a prompt chunk in one pass
+    assert max(p for _, p in steps) <= 16
+
+
 def test_preemption_keeps_greedy_outputs(tiny_loaded):
     """A pool too small for every request at once forces preemption and recompute."""
     small = build_engine(tiny_loaded, KVCacheConfig(page_size=4, max_kv_tokens=96),

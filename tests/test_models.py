@@ -162,7 +162,7 @@ def test_fully_masked_padding_rows_do_not_leak_nan(tiny_pair):
         batch = build_forward_batch(chunks, sess.page_size)
         expected = loaded.model(batch, sess.kv)
         # Strip the builder's own guard: padded query rows now attend to nothing.
-        mask = batch.attn_mask & batch.q_valid[:, None, :, None]
+        mask = batch.mask() & batch.q_valid[:, None, :, None]
         for no_prefix in (True, False):
             out = loaded.model(dataclasses.replace(batch, attn_mask=mask, no_prefix=no_prefix), sess.kv)
             assert torch.isfinite(out).all()

@@ -301,4 +301,47 @@ def test_default_model_gguf_keeps_the_files_blocks():
             assert module.quant.kind == "Q4_1"
             assert module.quant.path == ("float" if loaded.kernels == "torch" else "native")
             assert torch.equal(ql.dequantize(module.quant), file_weight(i, *names)), (i, names)
+    head = loaded.model._head_quant   # tied to token_embd, which the file stores as Q8_0
+    assert head.kind == "Q8_0" and loaded.weights == "gguf"
+    if loaded.kernels != "torch":
+        embd = torch.from_numpy(reader.read(tensors["token_embd.weight"]))
+        assert torch.equal(ql.dequantize(head), embd)
     assert greedy_next_word(loaded, "The capital of France is") == "Paris"
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
+def test_lm_head_quantization_chooses_the_heads_own_format(tiny_llama_dir, tiny_tied_dir, tied):
+    """--lm-head-quantization: auto keeps the head int8 under int8 and int4 weights (the
+    bytes every decode step reads for it halve against bfloat16), none keeps it float as
+    the other weights would be without --quantization, int8/int4 quantize it whatever the
+    other weights are. The head's logits follow the float32 model's within its format's error."""
+    from test_models import random_prompts
+    model_dir = str(tiny_tied_dir if tied else tiny_llama_dir)
+    prompts = random_prompts(49152, [5, 9])
+    ref = _logits(load_model(ModelOptions(model=model_dir, dtype="float32")), prompts, steps=1)
+
+    def head(loaded):
+        m = loaded.model
+        return m._head_quant if tied else m.lm_head.quant
+    cases = (("int4", "auto", "int8", "int4, lm_head int8"), ("int8", "auto", "int8", "int8"),
+             ("int4", "int4", "int4", "int4"), ("int4", "none", None, "int4, lm_head bf16"),
+             ("none", "int8", "int8", "bf16, lm_head int8"), ("none", "auto", None, "bf16"))
+    for quant, head_choice, kind, weights in cases:
+        loaded = load_model(ModelOptions(model=model_dir, quantization=quant, lm_head_quantization=head_choice))
+        if loaded.dtype == "bfloat16":
+            weights = weights.replace("bf16", "same")
+        assert loaded.weights == weights, (quant, head_choice)
+        q = head(loaded)
+        assert (q.kind if q is not None else None) == kind, (quant, head_choice)
+        if q is None:
+            assert (loaded.model._head_packed if tied else loaded.model.lm_head.packed) is not None
+        got = _logits(loaded, prompts, steps=1)
+        assert all(torch.isfinite(g).all() for g in got)
+        tol = 0.35 if "int4" in (quant, kind) else 0.05   # the formats' own error, as above
+        err = ((got[0] - ref[0]).norm() / ref[0].norm()).item()
+        assert err <= tol, (quant, head_choice)
+
+
+def test_unknown_lm_head_quantization_is_refused(tiny_llama_dir):
+    with pytest.raises(ModelLoadError, match="lm-head quantization 'int2'"):
+        load_model(ModelOptions(model=str(tiny_llama_dir), lm_head_quantization="int2"))

@@ -20,16 +20,42 @@ def req(rid, prompt_len, max_tokens=8):
 def run_step(s: Scheduler, token=7):
     """Simulate one engine step: mark compute done and append a sampled token."""
     batch = s.schedule()
-    if batch.prefill:
-        s.on_prefill_done(batch.prefill)
-        for item in batch.prefill:
-            if item.completes:
-                item.req.output_ids.append(token)
-    else:
-        s.on_decode_done(batch.decode)
-        for r in batch.decode:
-            r.output_ids.append(token)
+    s.on_decode_done(batch.decode)
+    for r in batch.decode:
+        r.output_ids.append(token)
+    s.on_prefill_done(batch.prefill)
+    for item in batch.prefill:
+        if item.completes:
+            item.req.output_ids.append(token)
     return batch
+
+
+def test_mixed_steps_decode_beside_a_prompt_chunk_sized_by_the_measured_costs():
+    alloc = PageAllocator(64)
+    s = Scheduler(SchedulerConfig(max_running_requests=8, max_prefill_tokens=64, target_tpot=0.1), alloc, 4)
+    s.add(req("old", 8, max_tokens=50))
+    first = run_step(s)
+    assert [i.length for i in first.prefill] == [8] and not first.decode   # nothing runs yet: prefill alone
+    s.add(req("long", 200))
+    nothing_measured = run_step(s)   # no costs yet: the whole budget beside the decode
+    assert [r.rid for r in nothing_measured.decode] == ["old"] and nothing_measured.prefill[0].length == 64
+    s.costs.observe(decodes=1, tokens=0, seconds=0.04)
+    s.costs.observe(decodes=1, tokens=40, seconds=0.04 + 40 * 0.002)
+    assert s.costs.decode == pytest.approx(0.04) and s.costs.per_token == pytest.approx(0.002)
+    fits = run_step(s)   # (0.1 - 0.04) / 0.002 = 30 tokens fit: the floor of 32 applies
+    assert [r.rid for r in fits.decode] == ["old"] and fits.prefill[0].length == 32
+    s.costs.per_token = 0.0005   # 120 fit, the budget caps it at 64
+    assert run_step(s).prefill[0].length == 64
+
+
+def test_without_a_target_tpot_a_prefill_step_runs_alone():
+    alloc = PageAllocator(64)
+    s = Scheduler(SchedulerConfig(max_running_requests=8, max_prefill_tokens=64, target_tpot=0), alloc, 4)
+    s.add(req("old", 8, max_tokens=50))
+    run_step(s)
+    s.add(req("long", 100))
+    kinds = [(bool(b.prefill), bool(b.decode)) for b in (run_step(s), run_step(s), run_step(s))]
+    assert kinds == [(True, False), (True, False), (False, True)]   # 64 + 36 prompt tokens, then both decode
 
 
 def test_allocator_owner_and_integrity():

@@ -23,7 +23,7 @@ from kvrelay.bench import report
 from kvrelay.bench.client import Outcome, Target, send, served_model
 from kvrelay.bench.config import BenchConfig
 from kvrelay.bench.metrics import summarise
-from kvrelay.bench.workload import Item, Turn, as_text, build, load_tokenizer
+from kvrelay.bench.workload import WARMUP_ROUND, Item, Turn, as_text, build, load_tokenizer
 
 
 class BenchError(Exception):
@@ -96,21 +96,22 @@ async def bench(cfg: BenchConfig, servers: list[tuple[str, str]], console: Conso
         ids = {tokenizer.eos_token_id, tokenizer.bos_token_id,
                *(tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))}
         eos_ids = tuple(sorted(i for i in ids if isinstance(i, int) and i >= 0 and i != tokenizer.unk_token_id))
-    workloads = {}
-    for rate in cfg.rates:
-        items = build(cfg, rate)
+    def items_for(rate: float, rnd: int) -> list[Item]:
+        items = build(cfg, rate, rnd)
         if tokenizer is not None:
             as_text(items, tokenizer)
-        workloads[rate] = items
+        return items
+    workloads = {(rnd, rate): items_for(rate, rnd) for rnd in range(cfg.num_rounds) for rate in cfg.rates}
     runs = []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout), limits=limits) as client:
         targets = await _targets(client, cfg, servers, eos_ids)
         if cfg.warmup:
-            await _warm(client, targets, servers, next(iter(workloads.values())), cfg.warmup)
+            await _warm(client, targets, servers, items_for(cfg.rates[0], WARMUP_ROUND), cfg.warmup)
         order = list(zip(servers, targets))
         for rnd in range(cfg.num_rounds):
-            for rate, items in workloads.items():
+            for rate in cfg.rates:
+                items = workloads[rnd, rate]
                 for (name, url), target in (order if rnd % 2 == 0 else order[::-1]):
                     with _progress(cfg, console) as bar:
                         task = bar.add_task(f"{name} rate {report.rate_label(rate)} round {rnd + 1}",

@@ -5,7 +5,10 @@ conversation has several, sent one after another, each once the answer to the on
 has arrived (its prompt is the whole conversation so far). Prompts are drawn token ids
 (`TOKEN_IDS`), sent as ids to /v1/completions, or as text (the ids decoded by a
 tokenizer) for chat and `--text-prompts`. The same seed gives the same items, arrival
-times included, whatever the server.
+times included, whatever the server. Each round draws its prompts' ids afresh (same
+lengths, outputs and arrivals): a server that caches prompt prefixes (vLLM, SGLang,
+llama.cpp do by default) must not answer round 2 from round 1's cache, nor a round from
+the warm-up's. Only a dataset's own prompts repeat.
 """
 from __future__ import annotations
 
@@ -85,32 +88,37 @@ def load_dataset(path: str) -> list[Turn]:
     return turns
 
 
-def build(cfg: BenchConfig, rate: float) -> list[Item]:
-    """The workload's items for one rate. Items depend on the seed only, not the rate,
-    except their arrival times (a rate sweep sends the same requests faster)."""
-    rng = random.Random(cfg.seed)
+WARMUP_ROUND = -1   # the warm-up's prompts: ids no measured round sends
+
+
+def build(cfg: BenchConfig, rate: float, round_: int = 0) -> list[Item]:
+    """The workload's items for one rate and round. Lengths and outputs depend on the seed
+    only, arrival times on the seed and the rate (a rate sweep sends the same requests
+    faster), the prompts' token ids on the seed and `round_`."""
+    rng = random.Random(cfg.seed)                            # lengths and outputs
+    ids = random.Random(f"{cfg.seed}:prompts:{round_}")     # what the prompts say
     (p_span, o_span), n = cfg.lengths, cfg.requests
     if cfg.dataset:
         rows = load_dataset(cfg.dataset)
         turns = [rows[i % len(rows)] for i in range(n)]
         for t in turns:
             if t.prompt == []:
-                t.prompt = _ids(rng, t.prompt_len)
+                t.prompt = _ids(ids, t.prompt_len)
         items = [Item(i, 0.0, [Turn(t.prompt, t.prompt_len, t.output_len)]) for i, t in enumerate(turns)]
     elif cfg.workload == "shared-prefix":
-        prefix = _ids(rng, cfg.prefix_len)
+        prefix = _ids(ids, cfg.prefix_len)
         items = []
         for i in range(n):
-            suffix = _ids(rng, _draw(rng, p_span))
+            suffix = _ids(ids, _draw(rng, p_span))
             items.append(Item(i, 0.0, [Turn(prefix + suffix, cfg.prefix_len + len(suffix), _draw(rng, o_span))]))
     elif cfg.workload == "multi-turn":
-        items = [Item(i, 0.0, [Turn(_ids(rng, k), k, _draw(rng, o_span))
+        items = [Item(i, 0.0, [Turn(_ids(ids, k), k, _draw(rng, o_span))
                                for k in (_draw(rng, p_span) for _ in range(cfg.turns))]) for i in range(n)]
     else:
         items = []
         for i in range(n):
             k = _draw(rng, p_span)
-            items.append(Item(i, 0.0, [Turn(_ids(rng, k), k, _draw(rng, o_span))]))
+            items.append(Item(i, 0.0, [Turn(_ids(ids, k), k, _draw(rng, o_span))]))
     times = arrivals(n, rate, cfg.burstiness, random.Random(f"{cfg.seed}:arrivals"))
     for item, t in zip(items, times):
         item.arrival = t

@@ -38,6 +38,11 @@ class ModelOptions:
                            "quantized at load, or gguf (the file's own Q8_0/Q4_0/Q4_1 blocks)",
                            choices=("none", "int8", "int4", "gguf"))
     quant_group_size: int = _f(32, "int4: weights per scale along the input dimension")
+    lm_head_quantization: str = _f("auto", "how the output head (lm_head, or the embedding tied to it) is "
+                                   "kept; auto: int8 under --quantization int8 or int4, the file's own blocks "
+                                   "under gguf, as the other weights otherwise; none: float, as the other "
+                                   "weights would be without --quantization; int8 or int4: quantized at load",
+                                   choices=("auto", "none", "int8", "int4"))
     served_model_name: str | None = _f(None, "model name reported by the API (default: derived from --model)")
     seed: int = _f(0, "seed for random-weight models")
 
@@ -64,10 +69,17 @@ class SchedulerConfig:
     max_running_requests: int = _f(64, "most requests in the running batch")
     max_prefill_tokens: int = _f(4096, "prompt tokens per prefill step")
     max_model_len: int | None = _f(None, "longest prompt + completion (default: the model's context)")
+    target_tpot: float = _f(0.0, "mixed batches: seconds a decode step may take while prompts are prefilled "
+                            "in the same forward pass; each step carries every running decode plus a prompt "
+                            "chunk sized from the measured per-token costs to fit this (at least 32 tokens, so "
+                            "prompts always advance). 0 (the default): a prefill step runs alone and the "
+                            "decodes wait for it, which served more requests within SLOs on a 2-core AVX2 CPU "
+                            "(docs/performance.md)")
 
     def __post_init__(self) -> None:
         _require(self.max_running_requests >= 1, "--max-running-requests must be at least 1")
         _require(self.max_prefill_tokens >= 1, "--max-prefill-tokens must be at least 1")
+        _require(self.target_tpot >= 0, "--target-tpot must be 0 (off) or a positive number of seconds")
         _require(self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be at least 2")
 
 

@@ -30,6 +30,11 @@ log = logging.getLogger("kvrelay.engine")
 Sink = Callable[[StepOutput], None]
 
 
+def _last_token(req: Req) -> int:
+    """The token a decode step feeds: the newest output, or the prompt's last (a recompute)."""
+    return req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
+
+
 def kv_layout_for(loaded, page_size: int, kv_dtype: str = "auto") -> KVLayout:
     arch = loaded.arch
     return KVLayout(model_id=loaded.name, dtype=loaded.dtype, page_size=page_size,
@@ -221,33 +226,39 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch.empty:
             return
+        started = self.clock.now()
         try:
+            self.kv.copy_pages(batch.copies)   # copy-on-write of shared pages, before anything writes
             if batch.prefill:
-                started = self.clock.now()
-                self._run_prefill(batch.prefill)
-                self.last_prefill = (sum(i.length for i in batch.prefill), self.clock.now() - started)
+                self._run_prefill(batch.prefill, batch.decode)
             else:
-                self.kv.copy_pages(batch.copies)   # copy-on-write of shared pages, before anything writes
                 self._run_decode(batch.decode)
         except Exception as exc:  # a failed forward ends its batch, never the loop
             log.exception("forward pass failed")
-            reqs = [i.req for i in batch.prefill] or batch.decode
-            for req in reqs:
+            for req in [i.req for i in batch.prefill] + batch.decode:
                 self.abort(req.rid, FinishReason.ERROR, f"internal_error: {exc}")
+            return
+        seconds, tokens = self.clock.now() - started, sum(i.length for i in batch.prefill)
+        if tokens:
+            self.last_prefill = (tokens, seconds)
+        self.scheduler.costs.observe(len(batch.decode), tokens, seconds)
 
-    def _run_prefill(self, items: list[PrefillItem]) -> None:
+    def _run_prefill(self, items: list[PrefillItem], decodes: list[Req]) -> None:
+        """Prompt chunks, and in a mixed step the running batch's decodes (rows first)."""
         self._count_prefill(items)
-        chunks = [SeqChunk(i.req.tokens(i.start, i.start + i.length), i.start, i.req.pages) for i in items]
+        chunks = [SeqChunk([_last_token(r)], r.seq_len - 1, r.pages) for r in decodes]
+        chunks += [SeqChunk(i.req.tokens(i.start, i.start + i.length), i.start, i.req.pages) for i in items]
         logits = self.runner.prefill(chunks)
+        self.scheduler.on_decode_done(decodes)
         self.scheduler.on_prefill_done(items)
-        done = [(row, c) for row, i in enumerate(items) if i.completes for c in self._fork(i.req)]
-        if done:
-            rows = torch.tensor([r for r, _ in done])
-            self._sample_and_emit([req for _, req in done], logits.index_select(0, rows))
+        done = [(len(decodes) + row, c) for row, i in enumerate(items) if i.completes for c in self._fork(i.req)]
+        rows = list(range(len(decodes))) + [r for r, _ in done]
+        if rows:
+            self._sample_and_emit(decodes + [req for _, req in done], logits.index_select(0, torch.tensor(rows)))
 
     def _run_decode(self, reqs: list[Req]) -> None:
-        logits = self.runner.decode([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs],
-                                    [r.seq_len - 1 for r in reqs], [r.pages for r in reqs])
+        logits = self.runner.decode([_last_token(r) for r in reqs], [r.seq_len - 1 for r in reqs],
+                                    [r.pages for r in reqs])
         self.scheduler.on_decode_done(reqs)
         self._sample_and_emit(reqs, logits)
 

@@ -54,7 +54,7 @@ class LoadedModel:
     # (model, kv pool) -> what runs the forward passes (`runner.ModelRunner`'s interface);
     # None: ModelRunner. The simulation's stand-in model brings its own (kvrelay.sim.model).
     make_runner: Callable | None = None
-    weights: str = "same"           # WeightFormat.store: how the weights are kept in memory
+    weights: str = "same"           # WeightFormat.store (", lm_head <store>" where the head differs)
     kernels: str = "torch"          # the native kernel variant the model was packed for
 
     def compute_info(self) -> dict[str, str]:
@@ -73,9 +73,13 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> str:
 def weight_format(opts: ModelOptions, dtype: str) -> WeightFormat:
     """How the loaded weights are kept, computing in `dtype` (opts.dtype resolved)."""
     compute = TORCH_DTYPES[dtype]
-    if opts.quantization != "none":
-        return WeightFormat(compute, opts.quantization, opts.quant_group_size)
-    return WeightFormat(compute, "bf16" if dtype == "float32" and opts.dtype == "auto" else "same")
+    floats = WeightFormat(compute, "bf16" if dtype == "float32" and opts.dtype == "auto" else "same")
+    head = opts.lm_head_quantization
+    if head == "auto":
+        head = {"none": "none", "int8": "int8", "int4": "int8", "gguf": "gguf"}[opts.quantization]
+    head_fmt = floats if head == "none" else WeightFormat(compute, head, opts.quant_group_size)
+    body = floats if opts.quantization == "none" else WeightFormat(compute, opts.quantization, opts.quant_group_size)
+    return replace(body, head=head_fmt)
 
 
 def load_model(opts: ModelOptions, progress: Progress | None = None, device: str = "cpu") -> LoadedModel:
@@ -89,6 +93,9 @@ def load_model(opts: ModelOptions, progress: Progress | None = None, device: str
         raise ModelLoadError(f"unsupported dtype {opts.dtype!r}; choose auto, float32 or bfloat16")
     if opts.quantization not in ("none", *QUANTIZED):
         raise ModelLoadError(f"unsupported quantization {opts.quantization!r}; choose none, int8, int4 or gguf")
+    if opts.lm_head_quantization not in ("auto", "none", "int8", "int4"):
+        raise ModelLoadError(f"unsupported lm-head quantization {opts.lm_head_quantization!r}; "
+                             "choose auto, none, int8 or int4")
     dtype = resolve_dtype(opts.dtype, device)
     fmt = weight_format(opts, dtype)
     opts = replace(opts, dtype=dtype)
@@ -107,7 +114,9 @@ def load_model(opts: ModelOptions, progress: Progress | None = None, device: str
     if opts.served_model_name:
         loaded.name = opts.served_model_name
     loaded.model.prepare(fmt)
-    loaded.weights, loaded.kernels = fmt.store, kernels.isa()
+    head = fmt.for_head.store
+    loaded.weights = fmt.store if head == fmt.store else f"{fmt.store}, lm_head {head}"
+    loaded.kernels = kernels.isa()
     return loaded
 
 

@@ -28,14 +28,12 @@ def build_forward_batch(chunks: list[SeqChunk], page_size: int) -> ForwardBatch:
     kv_lens = [c.start + n for c, n in zip(chunks, q_lens)]
     B, max_q = len(chunks), max(q_lens)
     max_pages = -(-max(kv_lens) // page_size)
-    max_kv = max_pages * page_size  # keys are read a whole page at a time
     page_table = torch.zeros(B, max_pages, dtype=torch.long)
     for b, c in enumerate(chunks):
         n = min(len(c.pages), max_pages)
         page_table[b, :n] = torch.tensor(c.pages[:n], dtype=torch.long)
     starts = torch.tensor([c.start for c in chunks], dtype=torch.long)
     q_len_t = torch.tensor(q_lens, dtype=torch.long)
-    kv_len_t = torch.tensor(kv_lens, dtype=torch.long)
 
     q_off = torch.arange(max_q)
     q_valid = q_off[None, :] < q_len_t[:, None]                       # [B, max_q]
@@ -48,12 +46,6 @@ def build_forward_batch(chunks: list[SeqChunk], page_size: int) -> ForwardBatch:
     write_pages = page_table[rows_b, positions // page_size]
     write_offsets = positions % page_size
 
-    k_pos = torch.arange(max_kv)
-    attn_mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_len_t[:, None, None])
-    attn_mask &= q_valid[:, :, None]
-    # Padded query rows attend to key 0 so softmax never sees an all-False row (no NaN).
-    attn_mask[:, :, 0] |= ~q_valid
-
     flat_ids = [t for c in chunks for t in c.tokens]
     return ForwardBatch(
         input_ids=torch.tensor(flat_ids, dtype=torch.long),
@@ -63,7 +55,7 @@ def build_forward_batch(chunks: list[SeqChunk], page_size: int) -> ForwardBatch:
         write_pages=write_pages,
         write_offsets=write_offsets,
         page_table=page_table,
-        attn_mask=attn_mask[:, None, :, :],
+        kv_page_size=page_size,
         q_index=q_index,
         q_valid=q_valid,
         logits_index=row_start + q_len_t - 1,

@@ -1,9 +1,12 @@
 """Continuous batching: a waiting queue and a running batch, pure Python over page ids.
 
-Each `schedule()` returns either a prefill batch (new or partly prefilled requests,
-bounded by `max_prefill_tokens` and `max_running_requests`, chunked when a prompt is
-longer than the budget) or a decode batch (every running request, one token each).
-Prefill goes first so new requests join the batch at the next step.
+Each `schedule()` returns the prompt chunks and decodes of one forward pass. Prompt
+chunks come from the waiting queue in order, bounded by `max_prefill_tokens` and
+`max_running_requests` (a prompt longer than the budget is chunked). With `target_tpot`
+(mixed batches, as vLLM's chunked prefill): every running request decodes in every step,
+and the prompt tokens beside them are what `StepCosts` says fits in target_tpot (at least
+MIN_MIXED_CHUNK, so prompts always advance); a step with no running request prefills up to
+the whole budget. Without it, a prefill step runs alone and the decodes wait for it.
 
 Pages: a request is admitted only when the pages for its next chunk are free. Decode
 grows a request one page at a time; when the pool is full, a partly prefilled waiting
@@ -58,6 +61,40 @@ class ScheduledBatch:
         return not self.prefill and not self.decode
 
 
+MIN_MIXED_CHUNK = 32   # prompt tokens a mixed step carries however slow its decodes are
+
+
+class StepCosts:
+    """What a forward pass costs here, measured: `decode`, the seconds of the latest passes
+    that only decoded (the running batch), and `per_token`, the seconds each prompt token
+    adds to a pass (a mixed pass's time beyond `decode`). Moving averages; pure: the engine
+    feeds each pass's counts and seconds (a simulated clock feeds none, and nothing changes)."""
+    WEIGHT = 0.3   # of the newest pass
+
+    def __init__(self) -> None:
+        self.decode: float | None = None
+        self.per_token: float | None = None
+
+    def observe(self, decodes: int, tokens: int, seconds: float) -> None:
+        if seconds <= 0 or (decodes == 0 and tokens == 0):
+            return
+        if tokens == 0:
+            self.decode = self._mix(self.decode, seconds)
+            return
+        rest = seconds - ((self.decode or 0.0) if decodes else 0.0)
+        if rest > 0:
+            self.per_token = self._mix(self.per_token, rest / tokens)
+
+    def _mix(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.WEIGHT) * old + self.WEIGHT * new
+
+    def tokens_within(self, seconds: float) -> int | None:
+        """Prompt tokens that fit beside the running decodes in `seconds`; None until measured."""
+        if self.per_token is None:
+            return None
+        return int(max(0.0, seconds - (self.decode or 0.0)) / self.per_token)
+
+
 def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
@@ -81,6 +118,7 @@ class Scheduler:
         # (a disaggregated worker keeps each step shorter than its heartbeat interval).
         self.prefill_budget = config.max_prefill_tokens
         self._copies: list[tuple[Req, int, int]] = []   # copy-on-write of the decode pass being scheduled
+        self.costs = StepCosts()
 
     # -- queue membership -------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -129,18 +167,28 @@ class Scheduler:
 
     # -- scheduling ---------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch(prefill=self._schedule_prefill())
-        if batch.prefill:
+        if self.config.target_tpot > 0 and self.running:
+            # mixed: the decodes take their pages first, then a prompt chunk that fits beside them
+            batch = self._decode_batch()
+            batch.prefill = self._schedule_prefill(self.mixed_budget() if batch.decode else self.prefill_budget)
             return batch
-        self._copies = []
-        batch.decode = self._schedule_decode()
-        # a copy whose writer was preempted later in this pass is not needed (its page may be another's now)
-        batch.copies = [(src, dst) for req, src, dst in self._copies if req.status == ReqStatus.RUNNING]
-        return batch
+        batch = ScheduledBatch(prefill=self._schedule_prefill(self.prefill_budget))
+        return batch if batch.prefill else self._decode_batch()
 
-    def _schedule_prefill(self) -> list[PrefillItem]:
+    def mixed_budget(self) -> int:
+        """Prompt tokens for a step that also decodes the running batch."""
+        fit = self.costs.tokens_within(self.config.target_tpot)
+        return self.prefill_budget if fit is None else min(self.prefill_budget, max(MIN_MIXED_CHUNK, fit))
+
+    def _decode_batch(self) -> ScheduledBatch:
+        self._copies = []
+        decode = self._schedule_decode()
+        # a copy whose writer was preempted later in this pass is not needed (its page may be another's now)
+        return ScheduledBatch(decode=decode, copies=[(src, dst) for req, src, dst in self._copies
+                                                     if req.status == ReqStatus.RUNNING])
+
+    def _schedule_prefill(self, budget: int) -> list[PrefillItem]:
         items: list[PrefillItem] = []
-        budget = self.prefill_budget
         slots = self.config.max_running_requests - len(self.running)
         for req in list(self.waiting):
             if budget <= 0 or len(items) >= slots:

@@ -42,7 +42,7 @@ class CausalLM(nn.Module):
     - `forward(batch, kv)` computes the new tokens of `batch`; for every layer it first
       writes their K and V into the pool (`kv.write(layer, ...)` at `batch.write_pages`,
       `batch.write_offsets`), then attends over the pages of `batch.page_table`
-      (`kv.gather(layer, ...)`) under `batch.attn_mask`.
+      (`kv.gather(layer, ...)`) under `batch.mask()`.
       It returns float32 logits [B, vocab] for the rows in `batch.logits_index`.
     - `load_weights(named)` takes (HF-style name, tensor) pairs, already un-permuted.
     - `prepare(fmt)` runs once after the weights are final (e.g. to pre-pack them for the

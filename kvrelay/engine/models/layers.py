@@ -147,13 +147,13 @@ class AttnMeta:
     """Per-forward attention inputs, computed once and shared by every layer."""
     cos: torch.Tensor         # [T, 1, D]
     sin: torch.Tensor         # [T, 1, D]
-    mask: torch.Tensor        # [B, 1, max_q, max_kv] bool; every row has at least one True
+    mask: torch.Tensor | None  # [B, 1, max_q, max_kv] bool, every row has a True; None: no torch path over the pool
     q_index: torch.Tensor     # [B, max_q] row in T of each padded query
     row_slot: torch.Tensor    # [T] slot in the flattened [B * max_q] padded queries of each row
     batch: ForwardBatch
     write_slots: torch.Tensor  # KV-pool slots of the new tokens (kv.slot_ids)
     read_rows: torch.Tensor | None  # KV-pool rows of batch.page_table (kv.row_ids); None: no_prefix
-    masked_out: torch.Tensor  # ~mask, for masked_fill
+    masked_out: torch.Tensor | None  # ~mask, for masked_fill
     native: PagedDecode | PagedDecodeQ8 | None  # the native decode kernel, for one-token-per-sequence passes
     kv_lens: torch.Tensor      # [B] int64
     rope_table: torch.Tensor   # float32 [max_positions, 2, D], for the native RoPE
@@ -164,11 +164,6 @@ class AttnMeta:
     @classmethod
     def build(cls, batch: ForwardBatch, rope: RotaryEmbedding, dtype: torch.dtype, kv, group: int) -> "AttnMeta":
         cos, sin = rope.cos_sin(batch.positions, dtype)
-        # A padded query row would be fully masked, and softmax over nothing is NaN: let it
-        # see key 0. Its output is never gathered back, so real rows are unaffected.
-        pad_rows = torch.zeros_like(batch.attn_mask)
-        pad_rows[:, 0, :, 0] = ~batch.q_valid
-        mask = batch.attn_mask | pad_rows
         # Inverse of q_index over the valid slots, so each layer un-pads with one gather.
         slots = batch.q_valid.flatten().nonzero().squeeze(1)
         row_slot = torch.empty_like(slots).index_copy_(0, batch.q_index.flatten()[slots], slots)
@@ -185,11 +180,18 @@ class AttnMeta:
             prefill = paged_prefill() if native is None else None
             if prefill is not None and not prefill.supports(kv.data.dtype, L.head_dim, group):
                 prefill = None
-        read_rows = (None if batch.no_prefix or native is not None or prefill is not None
-                     else kv.row_ids(batch.page_table))
+        # Only the torch path over the pool reads keys by row, under the mask (a padded query
+        # row sees key 0, so softmax never sees an empty row; its output is never gathered).
+        gathered = not batch.no_prefix and native is None and prefill is None
+        read_rows = kv.row_ids(batch.page_table) if gathered else None
+        mask = None
+        if gathered:
+            mask = batch.mask().clone()
+            mask[:, 0, :, 0] |= ~batch.q_valid
         q_lens = torch.tensor(batch.q_lens, dtype=torch.int64)
         return cls(cos, sin, mask, batch.q_index, row_slot, batch,
-                   kv.slot_ids(batch.write_pages, batch.write_offsets), read_rows, ~mask, native,
+                   kv.slot_ids(batch.write_pages, batch.write_offsets), read_rows,
+                   None if mask is None else ~mask, native,
                    torch.tensor(batch.kv_lens, dtype=torch.int64), rope.table(batch.positions.device),
                    prefill, q_lens, torch.cumsum(q_lens, 0) - q_lens)
 

@@ -43,6 +43,11 @@ class WeightFormat:
     compute: torch.dtype = torch.bfloat16
     store: str = "same"
     group_size: int = 32
+    head: WeightFormat | None = None   # the output head's own format (--lm-head-quantization)
+
+    @property
+    def for_head(self) -> WeightFormat:
+        return self.head or self
 
 
 @dataclass(frozen=True)

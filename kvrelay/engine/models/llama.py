@@ -12,8 +12,9 @@ from torch import nn
 from kvrelay.engine.forward import ForwardBatch
 from kvrelay.engine.models.base import MODELS, ArchConfig, CausalLM, ModelLoadError
 from kvrelay.engine.models.layers import AttnMeta, PagedAttention, RMSNorm, RotaryEmbedding, SwiGLU, rope_and_store
-from kvrelay.engine.models.linear import Linear, PackedWeight, WeightFormat, lm_head_logits, pack_weight
-from kvrelay.engine.models.quant_linear import quant_forward
+from kvrelay.engine.models.linear import (QUANTIZED, Linear, PackedWeight, WeightFormat, lm_head_logits,
+                                          pack_weight)
+from kvrelay.engine.models.quant_linear import QuantWeight, quant_forward, quantize
 
 # Checkpoint entries that hold no weight of ours.
 _IGNORED = ("rotary_emb.inv_freq",)
@@ -56,6 +57,7 @@ class LlamaModel(nn.Module):
         # An uninitialised weight: it is loaded or set by init_random_weights (see Linear).
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
                                          _weight=torch.empty(arch.vocab_size, arch.hidden_size))
+        self.embed_tokens.gguf_raw = None   # its GGUF blocks, for a tied head under --quantization gguf
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, qkv_bias, o_bias)
                                     for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -75,7 +77,8 @@ class LlamaForCausalLM(CausalLM):
         # Tied: the head reads embed_tokens.weight, so no second parameter can drift from it.
         self.lm_head = (None if arch.tie_word_embeddings
                         else Linear(arch.hidden_size, arch.vocab_size, bias=False))
-        self._head_packed: PackedWeight | None = None
+        self._head_packed: PackedWeight | None = None   # a tied head kept float
+        self._head_quant: QuantWeight | None = None     # a tied head kept quantized
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
                                       arch.rope_scaling)
 
@@ -88,19 +91,29 @@ class LlamaForCausalLM(CausalLM):
             h, delta = layer(h, delta, meta, kv)
         rows = batch.logits_index
         h, _ = self.model.norm.add_and_norm(h[rows], delta[rows])
-        if self.lm_head is not None:
-            if self.lm_head.quant is not None:
-                return quant_forward(h, self.lm_head.quant, None, out_dtype=torch.float32)
-            return lm_head_logits(h, self.lm_head.weight, self.lm_head.packed)
+        head = self.lm_head
+        quant = self._head_quant if head is None else head.quant
+        if quant is not None:
+            return quant_forward(h, quant, None, out_dtype=torch.float32)
+        if head is not None:
+            return lm_head_logits(h, head.weight, head.packed)
         return lm_head_logits(h, self.model.embed_tokens.weight, self._head_packed)
 
     def prepare(self, fmt: WeightFormat | None = None) -> None:
+        """The head takes `fmt.for_head`; a tied head keeps its own quantized or packed copy
+        (the embedding lookup still reads the float rows)."""
         fmt = fmt or WeightFormat()
+        head_fmt = fmt.for_head
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepare(fmt)
+                module.prepare(head_fmt if module is self.lm_head else fmt)
         if self.lm_head is None:
-            self._head_packed = pack_weight(self.model.embed_tokens.weight, None, fmt)
+            embed = self.model.embed_tokens
+            if head_fmt.store in QUANTIZED:
+                self._head_quant = quantize(embed.weight.detach(), head_fmt, raw=embed.gguf_raw)
+            else:
+                self._head_packed = pack_weight(embed.weight, None, head_fmt)
+        self.model.embed_tokens.gguf_raw = None
 
     def _fused_slices(self) -> dict[str, tuple[str, int, int]]:
         """HF projection name -> (our fused projection, first row, row count)."""
