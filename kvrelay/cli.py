@@ -168,6 +168,9 @@ def preflight(command: str, mode: str | None, config: KVRelayConfig) -> None:
     setup_logging(config.server.log_level, config.server.log_format)
     runs_workers = command in ("prefill", "decode") or (command == "serve" and mode != "colocated")
     transfer = config.transfer
+    if runs_workers and config.scheduler.shed_ttft > 0:
+        raise StartupError("--shed-ttft works in a colocated engine only (serve --mode colocated): a prefill "
+                           "worker's queue is outside its engine; drop the flag")
     if runs_workers and transfer.transfer_backend == "nixl" and importlib.util.find_spec("nixl") is None:
         raise StartupError(NIXL_HINT)
     if command in ("prefill", "decode"):

@@ -102,6 +102,9 @@ def test_worker_flags_round_trip_through_the_flags_a_cluster_forwards():
     (["decode", "--enable-fault-injection", "--host", "0.0.0.0"], "needs --host and --transfer-host on loopback"),
     (["decode", "--enable-fault-injection", "--transfer-host", "10.0.0.5"], "on loopback"),
     (["serve", "--mode", "both"], "invalid choice"),
+    (["serve", "--port", "0", "--shed-ttft", "2"], "--shed-ttft works in a colocated engine only"),
+    (["prefill", "--port", "0", "--shed-ttft", "2"], "--shed-ttft works in a colocated engine only"),
+    (["serve", "--queue-order", "shortest-first", "--max-queue-wait", "0"], "--max-queue-wait must be a positive"),
 ])
 def test_bad_disaggregated_flags_fail_with_one_clear_line(args, words):
     proc = run_cli(*args)

@@ -133,6 +133,28 @@ def test_mixed_steps_keep_greedy_outputs(tiny_loaded, kv_dtype):
     assert max(p for _, p in steps) <= 16
 
 
+def test_shed_ttft_refuses_a_request_predicted_to_miss_it_and_serves_the_rest(tiny_loaded):
+    """--shed-ttft 1: at a measured 10 ms per prompt token, a request with more than 100
+    prompt tokens before and with it ends at once as "overloaded" (a 503 with Retry-After);
+    the ones that fit are served in full, and nothing is left behind."""
+    from kvrelay.engine.core import EngineCore
+    from kvrelay.server.errors import from_failed_output
+    core = EngineCore(tiny_loaded, KVCacheConfig(page_size=4, max_kv_tokens=1024),
+                      SchedulerConfig(max_prefill_tokens=512, shed_ttft=1.0))
+    core.scheduler.costs.per_token = 0.01
+    outs: dict[str, list] = {}
+    for rid, n in (("a", 50), ("b", 60), ("c", 30)):   # b: 110 tokens by its turn (1.1 s); c: 80 (0.8 s)
+        core.add(GenerateRequest(rid, tuple(range(5, 5 + n)), greedy(max_tokens=4)), lambda o: outs.setdefault(o.rid, []).append(o))
+    shed = outs.pop("b")
+    assert len(shed) == 1 and shed[0].finish_reason == FinishReason.ERROR and shed[0].error.startswith("overloaded:")
+    err = from_failed_output(shed[0].error)
+    assert (err.status, err.code, err.headers) == (503, "overloaded", {"Retry-After": "1"})
+    while core.has_work:
+        core.step()
+    assert {rid: sum(len(o.token_ids) for o in got) for rid, got in outs.items()} == {"a": 4, "c": 4}
+    core.check_idle()
+
+
 def test_preemption_keeps_greedy_outputs(tiny_loaded):
     """A pool too small for every request at once forces preemption and recompute."""
     small = build_engine(tiny_loaded, KVCacheConfig(page_size=4, max_kv_tokens=96),

@@ -1,6 +1,7 @@
 """The allocator and the continuous-batching scheduler, pure Python (no model)."""
 import pytest
 
+from kvrelay.core.clock import SimClock
 from kvrelay.core.config import SchedulerConfig
 from kvrelay.engine.allocator import IntegrityError, PageAllocator
 from kvrelay.engine.request import Req, ReqStatus
@@ -77,6 +78,88 @@ def test_allocator_detects_double_ownership():
     a._pages.setdefault("y", []).append(a.pages_of("x")[0])
     with pytest.raises(IntegrityError):
         a.check_integrity()
+
+
+def shortest_first(clock, num_pages=64, budget=16, max_wait=2.0, max_running=8):
+    alloc = PageAllocator(num_pages)
+    cfg = SchedulerConfig(max_running_requests=max_running, max_prefill_tokens=budget,
+                          queue_order="shortest-first", max_queue_wait=max_wait)
+    return alloc, Scheduler(cfg, alloc, 4, clock)
+
+
+def arrive(s, clock, rid, prompt_len, max_tokens=8):
+    r = req(rid, prompt_len, max_tokens)
+    r.arrival = clock.now()
+    s.add(r)
+    return r
+
+
+def test_shortest_first_prefills_fewer_prompt_tokens_first_and_fcfs_keeps_arrival_order():
+    for order, expected in (("shortest-first", ["c", "b", "a"]), ("fcfs", ["a", "b", "c"])):
+        clock = SimClock()
+        alloc = PageAllocator(64)
+        s = Scheduler(SchedulerConfig(max_prefill_tokens=12, queue_order=order), alloc, 4, clock)
+        for rid, n in (("a", 12), ("b", 8), ("c", 4)):
+            arrive(s, clock, rid, n)
+            clock.advance(0.1)
+        taken = []
+        while s.waiting:
+            taken += [i.req.rid for i in run_step(s).prefill]
+        assert taken == expected, order
+        for r in list(s.running):
+            s.finish(r, FinishReason.STOP)
+        assert alloc.num_free == alloc.num_total
+
+
+def test_shortest_first_ages_a_long_prompt_ahead_of_newer_short_ones():
+    clock = SimClock()
+    alloc, s = shortest_first(clock, num_pages=128, budget=4, max_wait=2.0, max_running=64)   # one short prompt a step
+    long = arrive(s, clock, "long", 40)
+    started = []
+    for i in range(12):   # a short prompt arrives every half second, forever shorter than "long"
+        arrive(s, clock, f"s{i}", 4, max_tokens=1)
+        started += [item.req.rid for item in run_step(s).prefill]
+        clock.advance(0.5)
+        if long.num_computed:
+            break
+    waited = clock.now() - long.arrival
+    assert long.num_computed > 0 and started[-1] == "long"
+    assert 2.0 <= waited <= 2.5   # taken in the first step after it aged, not before
+    assert started[:4] == ["s0", "s1", "s2", "s3"]   # the young short ones went first
+    while long.status == ReqStatus.WAITING:   # once started it keeps going, whatever arrives
+        arrive(s, clock, f"late{long.num_computed}", 4, max_tokens=1)
+        assert run_step(s).prefill[0].req is long
+    for r in list(s.running) + list(s.waiting):
+        s.finish(r, FinishReason.STOP)
+    assert alloc.num_free == alloc.num_total
+
+
+def test_shortest_first_finishes_a_started_chunked_prompt_before_shorter_arrivals():
+    clock = SimClock()
+    alloc, s = shortest_first(clock, budget=8)
+    long = arrive(s, clock, "long", 20)
+    assert [i.req.rid for i in run_step(s).prefill] == ["long"]   # 8 of 20 tokens
+    arrive(s, clock, "short", 4)
+    order = [i.req.rid for i in run_step(s).prefill]
+    assert order == ["long"] and long.num_computed == 16   # started work holds its place (and its pages)
+    assert [i.req.rid for i in run_step(s).prefill] == ["long", "short"]   # 4 + 4 tokens
+    for r in list(s.running):
+        s.finish(r, FinishReason.STOP)
+    assert alloc.num_free == alloc.num_total
+
+
+def test_predicted_wait_counts_the_prompt_tokens_taken_before_and_with_a_request():
+    clock = SimClock()
+    for order, expected in (("fcfs", {"a": 40, "b": 48, "c": 52}), ("shortest-first", {"a": 52, "b": 12, "c": 4})):
+        alloc = PageAllocator(64)
+        s = Scheduler(SchedulerConfig(queue_order=order), alloc, 4, clock)
+        reqs = {rid: arrive(s, clock, rid, n) for rid, n in (("a", 40), ("b", 8), ("c", 4))}
+        assert s.predicted_wait(reqs["a"]) is None   # nothing measured yet
+        s.costs.per_token = 0.01
+        assert {rid: round(s.predicted_wait(r) / 0.01) for rid, r in reqs.items()} == expected, order
+        for r in reqs.values():
+            s.finish(r, FinishReason.ABORT)
+        assert alloc.num_free == alloc.num_total
 
 
 def test_admission_waits_for_pages_in_fifo_order():

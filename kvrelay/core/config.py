@@ -64,6 +64,9 @@ class KVCacheConfig:
         _require(self.kv_cache_dtype in ("auto", "int8", "fp8_e4m3"), "--kv-cache-dtype must be auto, int8 or fp8_e4m3")
 
 
+QUEUE_ORDERS = ("fcfs", "shortest-first")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running_requests: int = _f(64, "most requests in the running batch")
@@ -75,11 +78,23 @@ class SchedulerConfig:
                             "prompts always advance). 0 (the default): a prefill step runs alone and the "
                             "decodes wait for it, which served more requests within SLOs on a 2-core AVX2 CPU "
                             "(docs/performance.md)")
+    queue_order: str = _f("fcfs", "which waiting prompt is prefilled next: fcfs (arrival order) or shortest-first "
+                          "(fewest prompt tokens left first, so more requests meet a time-to-first-token "
+                          "target; one that has waited --max-queue-wait goes ahead of every shorter one, "
+                          "in arrival order, so none starves)", choices=QUEUE_ORDERS)
+    max_queue_wait: float = _f(2.0, "shortest-first: seconds a waiting prompt may be passed over by shorter ones")
+    shed_ttft: float = _f(0.0, "shed load: refuse a new request (503 with Retry-After, code overloaded) when the "
+                          "prompt tokens to be prefilled before and with it, at the measured seconds per prompt "
+                          "token, predict a time to first token above this many seconds, rather than admit work "
+                          "that would miss its target and delay the requests behind it. 0 (the default): never")
 
     def __post_init__(self) -> None:
         _require(self.max_running_requests >= 1, "--max-running-requests must be at least 1")
         _require(self.max_prefill_tokens >= 1, "--max-prefill-tokens must be at least 1")
         _require(self.target_tpot >= 0, "--target-tpot must be 0 (off) or a positive number of seconds")
+        _require(self.queue_order in QUEUE_ORDERS, f"--queue-order must be one of {', '.join(QUEUE_ORDERS)}")
+        _require(self.max_queue_wait > 0, "--max-queue-wait must be a positive number of seconds")
+        _require(self.shed_ttft >= 0, "--shed-ttft must be 0 (off) or a positive number of seconds")
         _require(self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be at least 2")
 
 

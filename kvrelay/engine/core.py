@@ -62,7 +62,7 @@ class EngineCore:
         self.layout = kv_layout_for(loaded, kv_cfg.page_size, kv_cfg.kv_cache_dtype)
         self.kv = kv_pool_for(self.layout, num_pages_for(kv_cfg, self.layout), kv_buffer)
         self.allocator = PageAllocator(self.kv.num_pages)
-        self.scheduler = Scheduler(sched_cfg, self.allocator, kv_cfg.page_size)
+        self.scheduler = Scheduler(sched_cfg, self.allocator, kv_cfg.page_size, self.clock)
         self.runner = (loaded.make_runner or ModelRunner)(loaded.model, self.kv)
         self.sampler = Sampler()
         self.max_model_len = min(sched_cfg.max_model_len or loaded.max_model_len, loaded.max_model_len)
@@ -135,7 +135,19 @@ class EngineCore:
     def add(self, greq: GenerateRequest, sink: Sink, prefill_only: bool = False) -> None:
         """Queue a request. `prefill_only`: it ends right after its first token, and
         `_handoff` sees it before its pages are freed (the prefill worker)."""
-        self.scheduler.add(self._new_req(greq, sink, prefill_only))
+        req = self._new_req(greq, sink, prefill_only)
+        self.scheduler.add(req)
+        self._shed_if_late(req)
+
+    def _shed_if_late(self, req: Req) -> None:
+        """--shed-ttft: a request predicted to miss it ends now, "overloaded" (a 503 with
+        Retry-After), through the same exit as an abort: nothing of it stays behind."""
+        limit = self.scheduler.config.shed_ttft
+        wait = self.scheduler.predicted_wait(req) if limit > 0 else None
+        if wait is not None and wait > limit:
+            self.abort(req.rid, FinishReason.ERROR,
+                       f"overloaded: the prompt tokens queued here predict {wait:.1f} s to this request's "
+                       f"first token, over --shed-ttft {limit:g} s; retry later")
 
     def add_prefilled(self, greq: GenerateRequest, sink: Sink, pages: list[int], firsts: list[SampleResult]) -> None:
         """A request whose prompt KV is already in `pages` (owned by `greq.rid` in the

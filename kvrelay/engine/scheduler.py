@@ -1,8 +1,12 @@
 """Continuous batching: a waiting queue and a running batch, pure Python over page ids.
 
 Each `schedule()` returns the prompt chunks and decodes of one forward pass. Prompt
-chunks come from the waiting queue in order, bounded by `max_prefill_tokens` and
-`max_running_requests` (a prompt longer than the budget is chunked). With `target_tpot`
+chunks come from the waiting queue in `queue_order`, bounded by `max_prefill_tokens` and
+`max_running_requests` (a prompt longer than the budget is chunked). fcfs takes arrival
+order. shortest-first takes, in this order: requests already started (partly prefilled, or
+preempted), in queue order; requests that have waited `max_queue_wait`, in arrival order;
+then the rest by prompt tokens left, fewest first. A request that does not fit blocks the
+ones after it, so a long prompt waits at most `max_queue_wait` plus what is ahead of it then. With `target_tpot`
 (mixed batches, as vLLM's chunked prefill): every running request decodes in every step,
 and the prompt tokens beside them are what `StepCosts` says fits in target_tpot (at least
 MIN_MIXED_CHUNK, so prompts always advance); a step with no running request prefills up to
@@ -33,6 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvrelay.core import mutation
+from kvrelay.core.clock import Clock, MonotonicClock
 from kvrelay.core.config import SchedulerConfig
 from kvrelay.engine.allocator import PageAllocator
 from kvrelay.engine.request import Req, ReqStatus
@@ -107,8 +112,10 @@ def pages_for_choices(prompt_len: int, max_tokens: int, n: int, page_size: int) 
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int,
+                 clock: Clock | None = None) -> None:
         self.config = config
+        self.clock = clock or MonotonicClock()   # ages waiting requests (shortest-first)
         self.allocator = allocator
         self.page_size = page_size
         self.waiting: deque[Req] = deque()
@@ -190,17 +197,44 @@ class Scheduler:
     def _schedule_prefill(self, budget: int) -> list[PrefillItem]:
         items: list[PrefillItem] = []
         slots = self.config.max_running_requests - len(self.running)
-        for req in list(self.waiting):
+        for req in self.prefill_order():
             if budget <= 0 or len(items) >= slots:
                 break
             if req.num_preemptions and mutation.on("oom_after_kv_stranded"):
                 continue  # SGLang #6857: a request that lost its pages after its KV arrived is stranded
             length = min(req.seq_len - req.num_computed, budget)
             if not self._grow(req, req.num_computed + length):
-                break  # FIFO: a head that does not fit blocks later ones (no starvation)
+                break  # a head that does not fit blocks later ones (no starvation)
             items.append(PrefillItem(req, req.num_computed, length))
             budget -= length
         return items
+
+    def prefill_order(self) -> list[Req]:
+        """The waiting requests in the order their prompts are taken (the module docstring)."""
+        if self.config.queue_order == "fcfs":
+            return list(self.waiting)
+        aged = self.clock.now() - self.config.max_queue_wait
+
+        def rank(req: Req) -> tuple:
+            if req.num_computed or req.num_preemptions:
+                return (0,)
+            if req.arrival <= aged:
+                return (1, req.arrival)
+            return (2, req.seq_len - req.num_computed, req.arrival)
+        return sorted(self.waiting, key=rank)   # stable: ties keep queue order
+
+    def predicted_wait(self, req: Req) -> float | None:
+        """Seconds until waiting `req`'s prompt is computed: the prompt tokens taken before it
+        and its own, at the measured seconds per prompt token. None until a prefill was
+        measured. A lower bound under shortest-first (shorter arrivals may still pass it)."""
+        if self.costs.per_token is None:
+            return None
+        tokens = 0
+        for r in self.prefill_order():
+            tokens += r.seq_len - r.num_computed
+            if r is req:
+                return tokens * self.costs.per_token
+        return None
 
     def _schedule_decode(self) -> list[Req]:
         for req in list(self.running):
