@@ -248,3 +248,38 @@ def test_bfloat16_logits_resolve_near_ties_in_float32():
     assert refined[rounded > kth].all()
     assert (refined & (rounded >= kth)).sum(-1).eq(REFINE_TOP).all()
     assert torch.equal(got.argmax(-1), exact.argmax(-1))
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_each_row_count_takes_the_path_chosen_for_this_cpu_and_computes_the_same(amx, monkeypatch):
+    """bfloat16 matmuls: with AMX (cpuid amx_bf16) the native kernel takes up to
+    AMX_NATIVE_MAX_ROWS rows and oneDNN the rest; without, the native kernel takes up to
+    GEMM_MAX_ROWS. Both are forced here, whatever this CPU has; every row count matches a
+    float32 matmul of the same bfloat16 values, and the logits match their float32 sums."""
+    from kvrelay.engine.kernels import gemm
+    from kvrelay.engine.models import linear
+
+    monkeypatch.setattr(linear, "_amx", lambda: amx)
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(200, 96, generator=gen) * 0.1).to(torch.bfloat16)
+    bias = torch.randn(200, generator=gen).to(torch.bfloat16)
+    packed = linear.pack_weight(w, bias)
+    if gemm() is None or packed.onednn is None:   # no native bf16 kernel, or no oneDNN bf16: one path only
+        assert packed is None or packed.native is None or packed.onednn is None
+    else:
+        assert linear.native_max_rows(packed) == (linear.AMX_NATIVE_MAX_ROWS if amx else linear.GEMM_MAX_ROWS)
+    calls = []
+    real_gemm = gemm()
+    if real_gemm is not None:
+        monkeypatch.setattr(linear, "gemm", lambda: (lambda *a, **k: calls.append(a[0].shape[0]) or real_gemm(*a, **k)))
+    for rows in (1, 8, 9, 40, 129):
+        x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+        want = x.float() @ w.float().t() + bias.float()
+        got = linear.fast_linear(x, w, bias, packed)
+        assert got.shape == (rows, 200) and torch.allclose(got.float(), want, atol=0.05, rtol=0.02), rows
+        logits = linear.lm_head_logits(x, w, packed)
+        assert torch.equal(logits.argmax(-1), (x.float() @ w.float().t()).argmax(-1)), rows
+    if real_gemm is not None and packed.onednn is not None:
+        limit = linear.AMX_NATIVE_MAX_ROWS if amx else linear.GEMM_MAX_ROWS
+        assert calls and all(r <= limit for r in calls)
+        assert set(calls) == {r for r in (1, 8, 9, 40, 129) if r <= limit}

@@ -11,6 +11,11 @@ float32): up to GEMM_MAX_ROWS rows the native kernel, else oneDNN pre-packed fro
 same (bfloat16-rounded) values. Against F.linear on float32 weights, the default model's
 matmuls at 32 rows took ~40 ms against ~110 (oneDNN pre-packed: ~40), at one row 8 ms
 against 14 (shared, noisy cores: ratios, not absolutes).
+With AMX (Sapphire Rapids and later; cpuid amx_bf16), oneDNN runs bfloat16 matmuls on the
+tile unit, and from 16 rows it beats the native kernel: the default model's matmuls took
+5.6 ms against 9.6 at 16 rows, 7.1 against 18.6 at 32, 8.8 against 60 at 128, and
+the same (5.0-5.1 ms) at 8 rows, on a 2-core Xeon with AMX. So there the native kernel
+takes bfloat16 matmuls only up to AMX_NATIVE_MAX_ROWS rows.
 """
 from __future__ import annotations
 
@@ -21,13 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrelay.engine.kernels import elementwise, gemm
+from kvrelay.engine.kernels import cpu_features, elementwise, gemm
 from kvrelay.engine.kernels.wide import wide_gemm
 from kvrelay.engine.models.quant_linear import QuantWeight, quant_forward, quantize
 
 # oneDNN weight packing: the packed layout serves every row count; 32 is only its tuning hint.
 _PACK_HINT_ROWS = 32
 GEMM_MAX_ROWS = 128
+AMX_NATIVE_MAX_ROWS = 8
 REFINE_TOP = 8
 
 
@@ -95,13 +101,25 @@ def _pack_float32(w: torch.Tensor, bias: torch.Tensor | None, as_bf16: bool) -> 
     return PackedWeight(onednn, native, bias32, w.shape[0], wide=True)
 
 
+@lru_cache(maxsize=1)
+def _amx() -> bool:
+    return "amx_bf16" in cpu_features()
+
+
+def native_max_rows(packed: PackedWeight) -> int:
+    """Most rows the native kernel takes for `packed`; oneDNN takes more (module docstring)."""
+    if packed.onednn is not None and not packed.wide and _amx():
+        return AMX_NATIVE_MAX_ROWS
+    return GEMM_MAX_ROWS
+
+
 def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 packed: PackedWeight | None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [T, K], through the fastest path for T rows."""
     if packed is None:
         return F.linear(x, weight, bias)
     rows = x.shape[0]
-    if packed.native is not None and rows <= GEMM_MAX_ROWS:
+    if packed.native is not None and rows <= native_max_rows(packed):
         if packed.wide:
             return wide_gemm()(x, packed.native, packed.out_features, packed.bias32)
         return gemm()(x, packed.native, packed.out_features, packed.bias32)
@@ -120,7 +138,7 @@ def lm_head_logits(h: torch.Tensor, weight: torch.Tensor, packed: PackedWeight |
     the start of the default model's answer). The REFINE_TOP best are recomputed with a
     float32 dot product, so greedy picks what full-precision accumulation would. The native
     kernels return their float32 sums unrounded, which needs no refinement."""
-    if packed is not None and packed.native is not None and h.shape[0] <= GEMM_MAX_ROWS:
+    if packed is not None and packed.native is not None and h.shape[0] <= native_max_rows(packed):
         if packed.wide:
             return wide_gemm()(h, packed.native, packed.out_features, None)
         return gemm()(h, packed.native, packed.out_features, None, out_dtype=torch.float32)
