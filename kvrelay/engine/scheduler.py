@@ -6,11 +6,11 @@ chunks come from the waiting queue in `queue_order`, bounded by `max_prefill_tok
 order. shortest-first takes, in this order: requests already started (partly prefilled, or
 preempted), in queue order; requests that have waited `max_queue_wait`, in arrival order;
 then the rest by prompt tokens left, fewest first. A request that does not fit blocks the
-ones after it, so a long prompt waits at most `max_queue_wait` plus what is ahead of it then. With `target_tpot`
-(mixed batches, as vLLM's chunked prefill): every running request decodes in every step,
-and the prompt tokens beside them are what `StepCosts` says fits in target_tpot (at least
-MIN_MIXED_CHUNK, so prompts always advance); a step with no running request prefills up to
-the whole budget. Without it, a prefill step runs alone and the decodes wait for it.
+ones after it, so a long prompt waits at most `max_queue_wait` plus what is ahead of it then.
+With `target_tpot` (mixed batches, as vLLM's chunked prefill): every running request
+decodes in every step, and the prompt tokens beside them are what `StepCosts` says fits in
+target_tpot (at least MIN_MIXED_CHUNK, so prompts always advance); a step with no running
+request prefills up to the whole budget. Without it, a prefill step runs alone and the decodes wait for it.
 
 Pages: a request is admitted only when the pages for its next chunk are free. Decode
 grows a request one page at a time; when the pool is full, a partly prefilled waiting
