@@ -23,7 +23,8 @@ SECTIONS = {
 # URLs; `router` starts none, so of the cluster section it keeps only --startup-timeout.
 # Workers take no API keys: only the router and colocated servers face clients.
 _CLIENT_FACING = {"security.api_key", "security.max_streams_per_key"}
-SKIPPED = {"serve": {"router.prefill", "router.decode"},
+# `serve` takes --shed-ttft once (the scheduler's) and gives it to its router (`serve_cluster`).
+SKIPPED = {"serve": {"router.prefill", "router.decode", "router.shed_ttft"},
            "router": {"cluster.num_prefill", "cluster.num_decode", "cluster.worker_threads",
                       "cluster.worker_base_port"},
            "prefill": _CLIENT_FACING, "decode": _CLIENT_FACING}
@@ -168,9 +169,9 @@ def preflight(command: str, mode: str | None, config: KVRelayConfig) -> None:
     setup_logging(config.server.log_level, config.server.log_format)
     runs_workers = command in ("prefill", "decode") or (command == "serve" and mode != "colocated")
     transfer = config.transfer
-    if runs_workers and config.scheduler.shed_ttft > 0:
-        raise StartupError("--shed-ttft works in a colocated engine only (serve --mode colocated): a prefill "
-                           "worker's queue is outside its engine; drop the flag")
+    if command in ("prefill", "decode") and config.scheduler.shed_ttft > 0:
+        raise StartupError("--shed-ttft sheds before a request is paired: give it to the router (kvrelay router "
+                           "--shed-ttft, or kvrelay serve --shed-ttft), not to a worker")
     if runs_workers and transfer.transfer_backend == "nixl" and importlib.util.find_spec("nixl") is None:
         raise StartupError(NIXL_HINT)
     if command in ("prefill", "decode"):

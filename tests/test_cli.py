@@ -74,6 +74,15 @@ def test_serve_is_disaggregated_by_default_and_takes_no_worker_urls():
         build_parser().parse_args(["serve", "--prefill", "http://a:1"])
 
 
+def test_serve_gives_its_shed_ttft_to_the_router_and_none_to_its_workers():
+    from kvrelay.server.cluster import shedding_at_the_router, worker_argv
+
+    assert parse("router", "--prefill", "http://a:1", "--decode", "http://b:2", "--shed-ttft", "1.5").router.shed_ttft == 1.5
+    config = shedding_at_the_router(parse("serve", "--shed-ttft", "2"))
+    assert (config.router.shed_ttft, config.scheduler.shed_ttft) == (2.0, 0.0)
+    assert "--shed-ttft" not in worker_argv(config, "prefill", 4321)
+
+
 def test_worker_flags_round_trip_through_the_flags_a_cluster_forwards():
     from kvrelay.server.cluster import WORKER_SECTIONS, worker_argv
 
@@ -102,8 +111,10 @@ def test_worker_flags_round_trip_through_the_flags_a_cluster_forwards():
     (["decode", "--enable-fault-injection", "--host", "0.0.0.0"], "needs --host and --transfer-host on loopback"),
     (["decode", "--enable-fault-injection", "--transfer-host", "10.0.0.5"], "on loopback"),
     (["serve", "--mode", "both"], "invalid choice"),
-    (["serve", "--port", "0", "--shed-ttft", "2"], "--shed-ttft works in a colocated engine only"),
-    (["prefill", "--port", "0", "--shed-ttft", "2"], "--shed-ttft works in a colocated engine only"),
+    (["prefill", "--port", "0", "--shed-ttft", "2"], "give it to the router"),
+    (["decode", "--port", "0", "--shed-ttft", "2"], "give it to the router"),
+    (["router", "--port", "0", "--prefill", "http://a:1", "--decode", "http://a:2", "--shed-ttft", "-1"],
+     "--shed-ttft must be 0 (off) or a positive"),
     (["serve", "--queue-order", "shortest-first", "--max-queue-wait", "0"], "--max-queue-wait must be a positive"),
 ])
 def test_bad_disaggregated_flags_fail_with_one_clear_line(args, words):

@@ -11,10 +11,12 @@ P1, P2 = "http://p1:8000", "http://p2:8000"
 D1, D2, D3 = "http://d1:8000", "http://d2:8000", "http://d3:8000"
 
 
-def health(role: str, queued: int = 0, free: int = 100, incarnation: str = "a") -> WorkerHealth:
+def health(role: str, queued: int = 0, free: int = 100, incarnation: str = "a", tokens: int = 0,
+           per_token: float | None = None) -> WorkerHealth:
     return WorkerHealth(role=role, worker_id="w", incarnation=incarnation, model="m", max_model_len=2048,
                         transfer_backend="shm", transfer_address="tcp://127.0.0.1:5000", live_requests=queued,
-                        queued_requests=queued, free_pages=free, total_pages=100)
+                        queued_requests=queued, free_pages=free, total_pages=100, queued_prompt_tokens=tokens,
+                        prefill_s_per_token=per_token)
 
 
 def table(prefill=(P1,), decode=(D1,), clock=None) -> WorkerTable:
@@ -64,6 +66,25 @@ def test_among_equal_queues_the_decode_worker_with_more_free_pages_wins():
     assert [pick(t)[1] for _ in range(3)] == [D2, D2, D2]
 
 
+def test_the_prefill_worker_with_the_soonest_predicted_first_token_is_picked():
+    t = table(prefill=(P1, P2))
+    # P1 has fewer requests queued but more prompt work: 3,000 tokens at 1 ms vs 400 at 2 ms.
+    t.mark_ok(P1, health("prefill", queued=1, tokens=3000, per_token=0.001))
+    t.mark_ok(P2, health("prefill", queued=4, tokens=400, per_token=0.002))
+    assert t.get(P1).predicted_wait(100) == pytest.approx(3.1)
+    assert t.get(P2).predicted_wait(100) == pytest.approx(1.0)
+    assert pick(t)[0] == P2
+    # What the router sent since the last report counts until the next report.
+    t.leg_started(P2, 1500)
+    assert t.get(P2).predicted_wait() == pytest.approx(3.8)
+    assert pick(t)[0] == P1
+    t.mark_ok(P2, health("prefill", queued=5, tokens=1900, per_token=0.002))
+    assert (t.get(P2).sent_tokens, t.get(P2).predicted_wait()) == (0, pytest.approx(3.8))
+    # Not measured yet (no prefill since it started): no prediction.
+    t.mark_ok(P1, health("prefill", queued=0, tokens=0))
+    assert t.get(P1).predicted_wait(100) is None and pick(t)[0] == P1
+
+
 def test_equally_loaded_workers_take_turns():
     t = table(prefill=(P1, P2), decode=(D1, D2, D3))
     picks = [pick(t) for _ in range(6)]
@@ -94,6 +115,31 @@ def test_one_failure_marks_a_worker_down_and_a_good_check_brings_it_back():
     row = next(r for r in t.rows() if r["url"] == D1)
     assert (row["up"], row["failures"], row["last_error"], row["for_s"]) == (True, 0, None, 0.0)
     assert {pick(t)[1] for _ in range(4)} == {D1, D2}
+
+
+def test_a_slow_worker_stays_up_but_is_picked_only_when_its_role_has_no_other():
+    clock = SimClock()
+    t = table(prefill=(P1, P2), decode=(D1,), clock=clock)
+    late = "no answer to GET /health within --health-timeout 2 s"
+    assert t.mark_slow(P1, late) is Change.SLOW
+    assert t.mark_slow(P1, late) is None   # reported once
+    assert [pick(t)[0] for _ in range(3)] == [P2, P2, P2]
+    assert pick(t, exclude={P2})[0] == P1   # an answering worker that failed this request loses to a slow one
+    row = next(r for r in t.rows() if r["url"] == P1)
+    assert (row["up"], row["slow"], row["failures"], row["last_error"]) == (True, True, 2, late)
+    # The only decode worker is slow: it is still picked; a busy worker is not a dead one.
+    assert t.mark_slow(D1, late) is Change.SLOW
+    assert pick(t)[1] == D1
+    # A good check clears it; a definite failure takes it down; the lease still ends it.
+    assert t.mark_ok(P1, health("prefill")) is None and not t.get(P1).slow
+    assert t.mark_slow(P1, late) is Change.SLOW
+    assert t.mark_failed(P1, "ConnectError: refused") is Change.WENT_DOWN and not t.get(P1).slow
+    t.mark_ok(P1, health("prefill"))
+    clock.advance(3)
+    t.mark_ok(P1, health("prefill"))
+    t.mark_ok(P2, health("prefill"))
+    assert [w.url for w in t.expire_leases(3.0)] == [D1]
+    assert isinstance(t.pick_pair(), NoPair)
 
 
 def test_health_changes_are_reported_once():

@@ -86,7 +86,8 @@ class SchedulerConfig:
     shed_ttft: float = _f(0.0, "shed load: refuse a new request (503 with Retry-After, code overloaded) when the "
                           "prompt tokens to be prefilled before and with it, at the measured seconds per prompt "
                           "token, predict a time to first token above this many seconds, rather than admit work "
-                          "that would miss its target and delay the requests behind it. 0 (the default): never")
+                          "that would miss its target and delay the requests behind it (serve: the router "
+                          "does it, from its prefill workers' queues). 0 (the default): never")
 
     def __post_init__(self) -> None:
         _require(self.max_running_requests >= 1, "--max-running-requests must be at least 1")
@@ -155,6 +156,9 @@ class RouterConfig:
     health_timeout: float = _f(2.0, "a health check slower than this counts as failed, seconds")
     health_misses: int = _f(3, "a worker that answered no health check for --health-interval x this many "
                             "seconds is dead: every leg the router has open on it fails (peer_failed)")
+    shed_ttft: float = _f(0.0, "shed load: refuse a new request (503 with Retry-After, code overloaded) when the "
+                          "prefill workers' reported queues predict its first token later than this many "
+                          "seconds; 0: off")
 
     def __post_init__(self) -> None:
         _require(self.request_timeout > 0, "--request-timeout must be positive")
@@ -162,6 +166,7 @@ class RouterConfig:
         _require(self.health_interval > 0, "--health-interval must be positive")
         _require(self.health_timeout > 0, "--health-timeout must be positive")
         _require(self.health_misses >= 1, "--health-misses must be at least 1")
+        _require(self.shed_ttft >= 0, "--shed-ttft must be 0 (off) or a positive number of seconds")
 
     @property
     def health_lease(self) -> float:

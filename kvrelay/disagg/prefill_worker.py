@@ -57,6 +57,18 @@ class PrefillCore(WorkerCore):
                     self.metrics.observe_queue(self.clock.now() - self.side.lc.rooms[room].created)
         self._engine_step()
 
+    def queued_prompt_tokens(self) -> int:
+        """Of every room not yet handed off (bootstrap, queued, prefill): its prompt tokens
+        not yet computed."""
+        total = 0
+        for room, leg in self.legs.items():
+            r = self.side.lc.rooms.get(room)
+            if r is None or r.phase not in (PPhase.BOOTSTRAP, PPhase.QUEUED, PPhase.PREFILL):
+                continue
+            req = self._reqs.get(leg.greq.rid) if leg.in_engine else None
+            total += len(leg.greq.prompt_ids) - (req.num_computed if req is not None else 0)
+        return total
+
     def _engine_sink(self, room: int):
         def sink(out: StepOutput) -> None:
             # Normal ends went through _handoff; an engine abort or error fails the room.

@@ -199,6 +199,11 @@ class WorkerCore(EngineCore):
     def queued_requests(self) -> int:
         return sum(1 for row in self.side.live() if row["phase"] in self.QUEUED_PHASES)
 
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens this worker has still to compute for its rooms (the router's TTFT
+        prediction); a decode worker computes none."""
+        return 0
+
     def snapshot(self) -> Snapshot:
         now = self.clock.now()
         phases: dict[str, list[float]] = {p: [] for p in self.PHASES}
@@ -234,7 +239,8 @@ class WorkerCore(EngineCore):
                 "transfer_backend": self.manager.name, "transfer_address": self.manager.address,
                 "live_requests": len(self.side.lc.rooms), "queued_requests": self.queued_requests(),
                 "free_pages": self.allocator.num_free, "total_pages": self.allocator.num_total,
-                **self.loaded.compute_info()}
+                "queued_prompt_tokens": self.queued_prompt_tokens(),
+                "prefill_s_per_token": self.scheduler.costs.per_token, **self.loaded.compute_info()}
 
     def check_idle(self) -> None:
         super().check_idle()

@@ -82,6 +82,13 @@ def worker_argv(config: KVRelayConfig, role: str, port: int, ordinal: int = 0) -
     return args + to_cli_args(dataclasses.replace(config.server, host=WORKER_HOST, port=port))
 
 
+def shedding_at_the_router(config: KVRelayConfig) -> KVRelayConfig:
+    """`serve`'s --shed-ttft (a scheduler flag) goes to its router, which sheds before it
+    pairs, from the prefill workers' reported queues; the workers get none."""
+    return dataclasses.replace(config, router=dataclasses.replace(config.router, shed_ttft=config.scheduler.shed_ttft),
+                               scheduler=dataclasses.replace(config.scheduler, shed_ttft=0.0))
+
+
 def worker_security(sec: SecurityConfig) -> SecurityConfig:
     """What of the security section a local worker gets: the key file, --protect-metrics
     and --replay-window. Not the API keys (only the router faces clients) and not TLS
@@ -246,6 +253,7 @@ def serve_cluster(config: KVRelayConfig) -> None:
     --host/--port until SIGINT/SIGTERM, then stop every worker. Raises StartupError."""
     setup_logging(config.server.log_level)
     stop_on_sigterm()
+    config = shedding_at_the_router(config)
     # A port in use, a bad --model, key or TLS file fails here, before any child starts.
     ports = worker_ports(config)
     check_worker_ports(config, ports)

@@ -5,8 +5,9 @@ router feeds it health results and leg counts; it answers `pick_pair()`.
 
 Invariants:
 - Only workers marked up are candidates. A worker is up from a good health check until
-  the first failure (a failed check, or a connection error while serving a request);
-  one failure is enough, and the next good check brings it back ("rejoins").
+  the first definite failure (a refused connection, a broken stream, a wrong role, model
+  or key); one is enough, and the next good check brings it back ("rejoins"). A check
+  that only timed out makes it `slow`: still up, picked only when its role has no other.
 - Each worker is held under a lease: one that answered no health check for `lease`
   seconds is dead (`expire_leases`), once per lease: the router fails every leg it has
   open there. Only a good check starts a new lease; it never revives a failed leg.
@@ -32,6 +33,7 @@ class Change(enum.Enum):
     REJOINED = "rejoined"      # down, now up again, same process
     RESTARTED = "restarted"    # a new incarnation: the process was restarted
     WENT_DOWN = "went_down"    # was up, now down
+    SLOW = "slow"              # up, but its last check timed out
     DIED = "died"              # its lease expired: no good check for `lease` seconds
 
 
@@ -47,6 +49,8 @@ class Worker:
     since: float = 0.0                   # clock time of the last up/down change
     last_ok: float | None = None         # clock time of the last good check (None: never)
     dead: bool = False                   # its lease expired; cleared by the next good check
+    slow: bool = False                   # up, but its last check timed out; cleared by a good one
+    sent_tokens: int = 0                 # prompt tokens of legs started here since the last good check
 
     @property
     def queue_depth(self) -> int:
@@ -58,12 +62,22 @@ class Worker:
     def free_pages(self) -> int:
         return self.health.free_pages if self.health else 0
 
-    def load_key(self) -> tuple[int, ...]:
+    def predicted_wait(self, prompt_tokens: int = 0) -> float | None:
+        """Seconds until a prompt of `prompt_tokens` sent here now is prefilled: the prompt
+        tokens the worker reported queued, those sent since its report, and this one, at
+        its measured seconds per prompt token. None until it has measured one."""
+        per_token = self.health.prefill_s_per_token if self.health else None
+        if per_token is None:
+            return None
+        return (self.health.queued_prompt_tokens + self.sent_tokens + prompt_tokens) * per_token
+
+    def load_key(self) -> tuple[float, ...]:
         """Smaller is better. A decode worker must also hold the request's KV, so among
-        equal queues the one with more free pages wins."""
+        equal queues the one with more free pages wins. A prefill worker's first token
+        comes soonest where the least prompt work waits (unmeasured: none)."""
         if self.role == "decode":
             return (self.queue_depth, -self.free_pages)
-        return (self.queue_depth,)
+        return (self.predicted_wait() or 0.0, self.queue_depth)
 
 
 @dataclass(frozen=True)
@@ -115,7 +129,8 @@ class WorkerTable:
     def rows(self) -> list[dict]:
         """One row per worker, for `GET /workers`."""
         now = self.clock.now()
-        return [{"url": w.url, "role": w.role, "up": w.up, "dead": w.dead, "for_s": round(now - w.since, 3),
+        return [{"url": w.url, "role": w.role, "up": w.up, "dead": w.dead, "slow": w.slow,
+                 "for_s": round(now - w.since, 3),
                  "last_ok_s": None if w.last_ok is None else round(now - w.last_ok, 3),
                  "outstanding": w.outstanding, "failures": w.failures, "last_error": w.last_error,
                  "health": w.health.model_dump() if w.health else None} for w in self._workers.values()]
@@ -134,14 +149,29 @@ class WorkerTable:
         now = self.clock.now()
         if not w.up:
             w.up, w.since = True, now
-        w.health, w.failures, w.last_error, w.last_ok, w.dead = health, 0, None, now, False
+        w.health, w.failures, w.last_error, w.last_ok, w.dead, w.slow = health, 0, None, now, False, False
+        w.sent_tokens = 0   # the report counts them (up to the legs still on the way)
         return change
 
-    def mark_failed(self, url: str, error: str) -> Change | None:
-        """A failed check or a connection error: the worker is down at once."""
+    def mark_slow(self, url: str, error: str) -> Change | None:
+        """A check that timed out. A busy worker answers late, so the worker stays up: it
+        is picked only when its role has no worker that answered, until a good check, a
+        definite failure (`mark_failed`) or the end of its lease (`expire_leases`)."""
         w = self._workers[url]
         w.failures += 1
         w.last_error = error
+        if not w.up or w.slow:
+            return None
+        w.slow = True
+        return Change.SLOW
+
+    def mark_failed(self, url: str, error: str) -> Change | None:
+        """A definite failure (refused connection, broken stream, wrong role, model or
+        key): the worker is down at once."""
+        w = self._workers[url]
+        w.failures += 1
+        w.last_error = error
+        w.slow = False
         if not w.up:
             return None
         w.up, w.since = False, self.clock.now()
@@ -164,8 +194,11 @@ class WorkerTable:
         return died
 
     # -- legs ------------------------------------------------------------------------------
-    def leg_started(self, url: str) -> None:
-        self._workers[url].outstanding += 1
+    def leg_started(self, url: str, prompt_tokens: int = 0) -> None:
+        """`prompt_tokens`: what the leg asks the worker to prefill (0 for a decode leg)."""
+        w = self._workers[url]
+        w.outstanding += 1
+        w.sent_tokens += prompt_tokens
 
     def leg_ended(self, url: str) -> None:
         w = self._workers[url]
@@ -176,7 +209,8 @@ class WorkerTable:
     # -- pairing ---------------------------------------------------------------------------
     def pick_pair(self, exclude: Iterable[str] = ()) -> Pair | NoPair:
         """The least loaded up prefill and decode workers; round robin among equals.
-        Workers in `exclude` are used only when their role has no other up worker."""
+        Workers in `exclude` are used only when their role has no other up worker, and
+        slow ones only when their role has no other up worker outside `exclude`."""
         excluded = frozenset(exclude)
         chosen = {}
         for role in ROLES:
@@ -190,9 +224,10 @@ class WorkerTable:
 
     def _pick(self, role: str, excluded: frozenset[str]) -> Worker | None:
         up = self.up(role)
-        candidates = [w for w in up if w.url not in excluded] or up
-        if not candidates:
+        if not up:
             return None
+        tier = min((w.url in excluded, w.slow) for w in up)
+        candidates = [w for w in up if (w.url in excluded, w.slow) == tier]
         best = min(w.load_key() for w in candidates)
         tied = [w for w in candidates if w.load_key() == best]
         workers, start = self._by_role[role], self._cursor[role]

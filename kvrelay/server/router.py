@@ -85,7 +85,7 @@ class Attempt:
     def _start(self, side: str, url: str, leg: LegRequest) -> asyncio.Task:
         # Counted from now (not from when the task first runs), so that requests arriving
         # in the same loop turn already see this leg's load.
-        self.table.leg_started(url)
+        self.table.leg_started(url, len(leg.prompt_ids) if side == PREFILL else 0)
         task = asyncio.create_task(self._run(side, url, leg), name=f"{side}-leg-{leg.rid}")
         task.add_done_callback(lambda _: self.table.leg_ended(url))
         return task
@@ -194,7 +194,7 @@ class RouterClient(EngineClient):
         try:
             if not 1 <= request.params.n <= MAX_N:   # the workers refuse more (their pools, their batches)
                 raise RequestRejected(f"n must be in [1, {MAX_N}]; got {request.params.n}", param="n")
-            pair = self._first_pair()
+            pair = self._first_pair(routed.prompt_tokens)
             while True:
                 attempt = self._dispatch(routed, request, pair)
                 held: dict[int, list[StepOutput]] = {}   # a whole request's outputs per choice, until its final one
@@ -262,10 +262,16 @@ class RouterClient(EngineClient):
         self._live[request.rid] = routed
         return routed
 
-    def _first_pair(self) -> Pair:
+    def _first_pair(self, prompt_tokens: int) -> Pair:
         pair = self.table.pick_pair()
         if isinstance(pair, NoPair):
             raise OpenAIError(503, pair.message, None, "no_healthy_worker", retry_headers(503))
+        limit = self.cfg.shed_ttft
+        wait = pair.prefill.predicted_wait(prompt_tokens) if limit > 0 else None
+        if wait is not None and wait > limit:   # the soonest of the workers that answer checks
+            raise OpenAIError(503, f"overloaded: the prompt tokens queued on the prefill workers predict {wait:.1f} s "
+                              f"to this request's first token, over --shed-ttft {limit:g} s; retry later",
+                              None, "overloaded", retry_headers(503))
         return pair
 
     def _dispatch(self, routed: Routed, request: GenerateRequest, pair: Pair) -> Attempt:

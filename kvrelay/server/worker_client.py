@@ -148,14 +148,17 @@ class WorkerAPI:
             log.debug("abort not delivered", extra={"rid": rid, "worker": url, "error": _describe(exc)})
 
     async def health(self, url: str) -> WorkerHealth:
-        """Raises LegFailure when the worker cannot be reached or answers anything but a
-        valid WorkerHealth."""
+        """Raises TimeoutError when the worker accepted the check but did not answer in
+        time (busy or frozen), LegFailure when it cannot be reached or answers anything but
+        a valid WorkerHealth."""
         try:
             resp = await self.checks.get(f"{url}/health")
             if resp.status_code == 401:   # --protect-metrics: /health itself needs the token
                 raise LegFailure(PEER_FAILED, WRONG_KEY, url, broken=True)
             resp.raise_for_status()
             return WorkerHealth.model_validate_json(resp.content)
+        except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout) as exc:
+            raise TimeoutError(_describe(exc)) from None
         except (httpx.HTTPError, ValueError) as exc:
             raise LegFailure(PEER_FAILED, _describe(exc), url, broken=True) from None
 
@@ -193,7 +196,9 @@ class WorkerMonitor:
             async with asyncio.timeout(self.cfg.health_timeout):
                 health = await self.api.health(url)
         except TimeoutError:
-            self.failed(url, f"no answer to GET /health within --health-timeout {self.cfg.health_timeout:g} s")
+            error = f"no answer to GET /health within --health-timeout {self.cfg.health_timeout:g} s"
+            if self.table.mark_slow(url, error) is Change.SLOW:
+                log.warning("worker slow", extra={"worker": url, "role": self.table.get(url).role, "error": error})
             return
         except LegFailure as exc:
             self.failed(url, exc.detail)

@@ -163,6 +163,11 @@ class WorkerHealth(BaseModel):
     queued_requests: int       # rooms not yet computing (P: bootstrap+queued; D: bootstrap+waiting)
     free_pages: int
     total_pages: int
+    # A prefill worker's queue in time (the router's TTFT prediction, --shed-ttft): prompt
+    # tokens not yet computed of its rooms before transfer, and its measured seconds per
+    # prompt token (null until it prefilled once; always null on a decode worker).
+    queued_prompt_tokens: int = Field(0, ge=0)
+    prefill_s_per_token: float | None = Field(None, ge=0, allow_inf_nan=False)
     # What computes (`LoadedModel.compute_info`): the kernel variant, dtype, weight storage.
     kernels: str = ""
     dtype: str = ""

@@ -269,7 +269,9 @@ class SimWorkerAPI:
         await self._connected(w, url, self.cfg.health_timeout)
         try:
             view = await w.engine.acall(lambda c: c.health(), timeout=self.cfg.health_timeout)
-        except (TimeoutError, AttributeError):
+        except TimeoutError:
+            raise TimeoutError(f"{url}: ReadTimeout") from None   # as WorkerAPI.health: accepted, no answer
+        except AttributeError:
             raise LegFailure(PEER_FAILED, f"{url}: ReadTimeout", url, broken=True) from None
         return WorkerHealth(**view, auth="off")
 
