@@ -5,7 +5,7 @@ from kvrelay.core.clock import SimClock
 from kvrelay.core.config import SchedulerConfig
 from kvrelay.engine.allocator import IntegrityError, PageAllocator
 from kvrelay.engine.request import Req, ReqStatus
-from kvrelay.engine.scheduler import Scheduler
+from kvrelay.engine.scheduler import Scheduler, StepCosts
 from kvrelay.engine.types import FinishReason, SamplingParams
 
 
@@ -47,6 +47,22 @@ def test_mixed_steps_decode_beside_a_prompt_chunk_sized_by_the_measured_costs():
     assert [r.rid for r in fits.decode] == ["old"] and fits.prefill[0].length == 32
     s.costs.per_token = 0.0005   # 120 fit, the budget caps it at 64
     assert run_step(s).prefill[0].length == 64
+
+
+def test_prefill_only_passes_are_fitted_so_their_fixed_cost_is_not_charged_per_token():
+    fixed, per = 0.02, 0.001   # a pass that only prefills: 20 ms whatever its size, 1 ms a token
+    costs = StepCosts()
+    costs.observe(decodes=0, tokens=8, seconds=fixed + 8 * per)
+    costs.observe(decodes=0, tokens=8, seconds=fixed + 8 * per)
+    assert costs.per_token == pytest.approx((fixed + 8 * per) / 8)   # one size: no line yet, the ratio
+    for tokens in (512, 64, 1024, 16, 256, 2048, 128, 1024, 32, 512, 64, 1024, 256, 2048, 16, 512):
+        costs.observe(decodes=0, tokens=tokens, seconds=fixed + tokens * per)
+    assert costs.per_token == pytest.approx(per, rel=0.05)   # a 16-token pass alone: 2.25 ms a token
+    # A mixed pass still charges the prompt tokens what the pass took beyond its decodes.
+    mixed = StepCosts()
+    mixed.observe(decodes=4, tokens=0, seconds=0.05)
+    mixed.observe(decodes=4, tokens=100, seconds=0.05 + 100 * per)
+    assert (mixed.decode, mixed.per_token) == (pytest.approx(0.05), pytest.approx(per))
 
 
 def test_without_a_target_tpot_a_prefill_step_runs_alone():

@@ -72,13 +72,20 @@ MIN_MIXED_CHUNK = 32   # prompt tokens a mixed step carries however slow its dec
 class StepCosts:
     """What a forward pass costs here, measured: `decode`, the seconds of the latest passes
     that only decoded (the running batch), and `per_token`, the seconds each prompt token
-    adds to a pass (a mixed pass's time beyond `decode`). Moving averages; pure: the engine
-    feeds each pass's counts and seconds (a simulated clock feeds none, and nothing changes)."""
-    WEIGHT = 0.3   # of the newest pass
+    adds to a pass (a mixed pass's time beyond `decode`). A pass that only prefills also
+    has a fixed cost (reading every weight once, sampling), so its seconds / tokens
+    overstates `per_token` for a short prompt: such passes are fitted to a line, seconds =
+    fixed + per_token x tokens, whose slope is taken once their sizes differ by enough to
+    fix one. Moving averages; pure: the engine feeds each pass's counts and seconds (a
+    simulated clock feeds none, and nothing changes)."""
+    WEIGHT = 0.3       # of the newest pass
+    FIT_WEIGHT = 0.1   # of the newest prefill-only pass in the line's sums (about 10 passes)
+    FIT_SPREAD = 0.2   # the line needs pass sizes whose deviation is this share of their mean
 
     def __init__(self) -> None:
         self.decode: float | None = None
         self.per_token: float | None = None
+        self._sums = (0.0, 0.0, 0.0, 0.0, 0.0)   # weighted count, tokens, seconds, tokens^2, tokens x seconds
 
     def observe(self, decodes: int, tokens: int, seconds: float) -> None:
         if seconds <= 0 or (decodes == 0 and tokens == 0):
@@ -86,9 +93,26 @@ class StepCosts:
         if tokens == 0:
             self.decode = self._mix(self.decode, seconds)
             return
-        rest = seconds - ((self.decode or 0.0) if decodes else 0.0)
+        if decodes == 0:
+            slope = self._fit(tokens, seconds)
+            self.per_token = self._mix(self.per_token, slope if slope is not None else seconds / tokens)
+            return
+        rest = seconds - (self.decode or 0.0)
         if rest > 0:
             self.per_token = self._mix(self.per_token, rest / tokens)
+
+    def _fit(self, tokens: int, seconds: float) -> float | None:
+        """Adds a prefill-only pass to the line; its slope, or None while undetermined."""
+        keep, w = 1 - self.FIT_WEIGHT, self.FIT_WEIGHT
+        n, t, s, tt, ts = (keep * old + w * new for old, new in
+                           zip(self._sums, (1.0, tokens, seconds, tokens * tokens, tokens * seconds)))
+        self._sums = (n, t, s, tt, ts)
+        mean_t = t / n
+        var_t = tt / n - mean_t * mean_t
+        if var_t < (self.FIT_SPREAD * mean_t) ** 2:
+            return None
+        slope = (ts / n - mean_t * s / n) / var_t
+        return slope if slope > 0 else None
 
     def _mix(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.WEIGHT) * old + self.WEIGHT * new
