@@ -172,6 +172,9 @@ def preflight(command: str, mode: str | None, config: KVRelayConfig) -> None:
     if command in ("prefill", "decode") and config.scheduler.shed_ttft > 0:
         raise StartupError("--shed-ttft sheds before a request is paired: give it to the router (kvrelay router "
                            "--shed-ttft, or kvrelay serve --shed-ttft), not to a worker")
+    if command == "serve" and mode == "colocated" and config.router.decode_prefill_ttft > 0:
+        raise StartupError("--decode-prefill-ttft moves prefills between disaggregated workers; "
+                           "--mode colocated has none (drop the flag, or serve disaggregated)")
     if runs_workers and transfer.transfer_backend == "nixl" and importlib.util.find_spec("nixl") is None:
         raise StartupError(NIXL_HINT)
     if command in ("prefill", "decode"):

@@ -81,6 +81,9 @@ def test_serve_gives_its_shed_ttft_to_the_router_and_none_to_its_workers():
     config = shedding_at_the_router(parse("serve", "--shed-ttft", "2"))
     assert (config.router.shed_ttft, config.scheduler.shed_ttft) == (2.0, 0.0)
     assert "--shed-ttft" not in worker_argv(config, "prefill", 4321)
+    split = parse("serve", "--decode-prefill-ttft", "1.5")
+    assert split.router.decode_prefill_ttft == 1.5
+    assert "--decode-prefill-ttft" not in worker_argv(split, "decode", 4321)
 
 
 def test_worker_flags_round_trip_through_the_flags_a_cluster_forwards():
@@ -116,6 +119,9 @@ def test_worker_flags_round_trip_through_the_flags_a_cluster_forwards():
     (["router", "--port", "0", "--prefill", "http://a:1", "--decode", "http://a:2", "--shed-ttft", "-1"],
      "--shed-ttft must be 0 (off) or a positive"),
     (["serve", "--queue-order", "shortest-first", "--max-queue-wait", "0"], "--max-queue-wait must be a positive"),
+    (["serve", "--mode", "colocated", "--port", "0", "--decode-prefill-ttft", "1"], "--mode colocated has none"),
+    (["router", "--port", "0", "--prefill", "http://a:1", "--decode", "http://a:2", "--decode-prefill-ttft", "-1"],
+     "--decode-prefill-ttft must be 0 (off) or a positive"),
 ])
 def test_bad_disaggregated_flags_fail_with_one_clear_line(args, words):
     proc = run_cli(*args)

@@ -272,6 +272,24 @@ async def test_a_bad_decode_leg_is_a_400_before_any_line_and_the_worker_serves_o
         engine.check_idle(timeout=15)
 
 
+async def test_a_leg_naming_the_wrong_prefill_source_is_a_400_and_one_prefilled_on_decode_runs(workers):
+    """A decode leg has exactly one of prefill_address and prefill_here; a prefill leg has
+    neither. A decode leg with prefill_here is prefilled by the decode worker alone."""
+    apps, engines = workers
+    paddr = engines["prefill"].core.manager.address
+    async with client(apps["prefill"]) as p, client(apps["decode"]) as d:
+        for worker, extra, param in ((d, {}, "prefill_address"),
+                                     (d, {"prefill_address": paddr, "prefill_here": True}, "prefill_address"),
+                                     (p, {"prefill_here": True}, "prefill_here"),
+                                     (p, {"prefill_address": paddr}, "prefill_address")):
+            assert_error(await worker.post("/generate", json={**leg("wrong", 3000), **extra}), 400, param)
+        outs = lines(await d.post("/generate", json={**leg("here", 3001), "prefill_here": True}))
+        assert outs[-1].finish_reason is FinishReason.LENGTH, outs[-1]
+        assert sum(len(o.token_ids) for o in outs) == 5
+    for engine in engines.values():
+        engine.check_idle(timeout=15)
+
+
 async def test_a_worker_body_over_the_limit_is_413(workers):
     apps, _ = workers
     async with client(apps["decode"]) as d:

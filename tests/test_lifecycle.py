@@ -1,12 +1,14 @@
 """The pure state machines and leases under a SimClock (no transfer backend)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvrelay.core.clock import SimClock
 from kvrelay.disagg import wire
 from kvrelay.disagg.lease import Leases
-from kvrelay.disagg.lifecycle import (D_TRANSITIONS, P_TRANSITIONS, DPhase, Lifecycle, PPhase,
+from kvrelay.disagg.lifecycle import (D_TRANSITIONS, NO_PEER, P_TRANSITIONS, DPhase, Lifecycle, PPhase,
                                       TransitionError, d_deadlines, p_deadlines, timeout)
 from disagg_helpers import CFG
 
@@ -39,6 +41,21 @@ def test_happy_path_and_illegal_moves():
     lc.add(2, "b")
     with pytest.raises(ValueError):
         lc.add(2, "b")
+
+
+def test_only_a_room_without_a_peer_enters_past_the_first_phase():
+    """A decode room its own engine prefills enters at decode, with decode's deadline; one
+    with a peer must start at bootstrap, and no room enters at a terminal phase."""
+    clock = SimClock()
+    lc = Lifecycle("decode", DPhase, D_TRANSITIONS, d_deadlines(replace(CFG, max_request_time=30.0)), clock)
+    with pytest.raises(TransitionError):
+        lc.add(1, "a", peer="tcp://127.0.0.1:5000", phase=DPhase.DECODE)
+    with pytest.raises(TransitionError):
+        lc.add(1, "a", peer=NO_PEER, phase=DPhase.DONE)
+    assert lc.rooms == {}
+    r = lc.add(1, "a", peer=NO_PEER, phase=DPhase.DECODE)
+    assert (r.phase, r.deadline) == (DPhase.DECODE, clock.now() + 30.0)
+    assert lc.end(1, DPhase.DONE).from_phase == "decode"
 
 
 def test_every_non_terminal_phase_has_its_deadline():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvrelay.core.clock import SimClock
-from kvrelay.server.pairing import Change, NoPair, Pair, WorkerTable
+from kvrelay.server.pairing import Change, NoPair, Pair, WorkerTable, split
 from kvrelay.server.worker_protocol import WorkerHealth
 
 P1, P2 = "http://p1:8000", "http://p2:8000"
@@ -83,6 +83,28 @@ def test_the_prefill_worker_with_the_soonest_predicted_first_token_is_picked():
     # Not measured yet (no prefill since it started): no prediction.
     t.mark_ok(P1, health("prefill", queued=0, tokens=0))
     assert t.get(P1).predicted_wait(100) is None and pick(t)[0] == P1
+
+
+def test_the_adaptive_split_sends_to_the_decode_worker_only_what_p_would_serve_late_and_d_sooner():
+    t = table()
+    pair = t.pick_pair()
+    assert isinstance(pair, Pair)
+    assert split(pair, 100, 1.0) is pair   # nothing measured: no prediction, no move
+    t.mark_ok(P1, health("prefill", tokens=2000, per_token=0.001))
+    pair = t.pick_pair()
+    assert split(pair, 100, 0.0) is pair   # off
+    assert split(pair, 100, 3.0) is pair   # P predicts 2.1 s: within the limit
+    moved = split(pair, 100, 1.0)          # D predicts 0.1 s at P's rate (it measured none)
+    assert moved.prefill is None and moved.decode is pair.decode
+    assert (moved.urls, moved.prefill_url) == (frozenset({D1}), D1)
+    # D's own queue and rate count: 1,500 tokens at 2 ms (3.2 s) is later than P's 2.1 s.
+    t.mark_ok(D1, health("decode", tokens=1500, per_token=0.002))
+    assert split(t.pick_pair(), 100, 1.0).prefill is not None
+    # What the router sent D since its report counts: 300 tokens at 1 ms beat P's 2.1 s, 2,300 do not.
+    t.mark_ok(D1, health("decode", tokens=200, per_token=0.001))
+    assert split(t.pick_pair(), 100, 1.0).prefill is None
+    t.leg_started(D1, 2000)
+    assert split(t.pick_pair(), 100, 1.0).prefill is not None
 
 
 def test_equally_loaded_workers_take_turns():

@@ -225,6 +225,10 @@ def token_request(rid: str, max_tokens: int = 6) -> GenerateRequest:
                                                                  ignore_eos=True))
 
 
+async def collect(outs) -> list:
+    return [out async for out in outs]
+
+
 async def run(router: RouterClient, rid: str, max_tokens: int = 6) -> list:
     return [out async for out in router.generate(token_request(rid, max_tokens))]
 
@@ -497,6 +501,57 @@ def test_shed_ttft_refuses_a_request_the_prefill_queue_predicts_late_and_admits_
             assert router_finished(router) == {("failed", "overloaded"): 1, ("success", "length"): 2}
             await router.close()
             for _ in range(500):   # a finished leg's task ends when its stream closes
+                if not any(w.outstanding for w in table.workers("prefill") + table.workers("decode")):
+                    break
+                await asyncio.sleep(0.01)
+            assert [w.outstanding for w in table.workers("prefill") + table.workers("decode")] == [0, 0]
+    asyncio.run(main())
+    cluster.assert_no_leak()
+
+
+def test_the_adaptive_split_prefills_on_the_decode_worker_same_tokens_abortable_no_leak(cluster):
+    """--decode-prefill-ttft: once the prefill worker's queue (the prompt tokens the router
+    sent it since its last report) predicts a first token later than the limit, a request
+    goes to the decode worker alone, which prefills it itself: no prefill leg, the same
+    greedy tokens as through the pair, counted in kvrelay_router_prefilled_on_decode, and a
+    client abort ends it on the decode worker with nothing left behind."""
+    prefill, decode = cluster.prefill[0], cluster.decode[0]
+
+    async def main():
+        async with router_client([prefill.url], [decode.url]) as router:
+            reference = await run(router, "through-the-pair", max_tokens=12)
+            await router.monitor.check_all()
+        assert router.table.get(prefill.url).health.prefill_s_per_token is not None
+        async with router_client([prefill.url], [decode.url], decode_prefill_ttft=1e-9) as router:
+            table = router.table
+            longer = GenerateRequest("on-the-pair", tuple(range(11, 27)),
+                                     SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+            first = asyncio.create_task(collect(router.generate(longer)))
+            while table.get(prefill.url).sent_tokens == 0:
+                assert not first.done(), first.result()
+                await asyncio.sleep(0.01)
+            assert router.prefilled_on_decode == 0   # P had nothing queued: D predicted no sooner
+            with router_records() as records:
+                local = await run(router, "on-decode", max_tokens=12)
+            assert [o.token_ids for o in local] == [o.token_ids for o in reference]
+            assert local[-1].finish_reason is FinishReason.LENGTH and router.prefilled_on_decode == 1
+            (sent,) = [r for r in records if r.getMessage() == "request dispatched"]
+            assert (sent.prefill, sent.decode) == (decode.url, decode.url)
+            assert table.get(prefill.url).sent_tokens == 16 and table.get(decode.url).sent_tokens == 4
+            aborted = asyncio.create_task(run(router, "abort-on-decode", max_tokens=1000))
+            while not [row for row in router.debug_rows() if row["id"] == "abort-on-decode"
+                       and row["phase"] == "streaming"]:
+                assert not aborted.done(), aborted.result()
+                await asyncio.sleep(0.01)
+            await router.abort("abort-on-decode")
+            outs = await aborted
+            assert outs[-1].finish_reason is FinishReason.ABORT and router.prefilled_on_decode == 2
+            assert (await first)[-1].finish_reason is FinishReason.LENGTH
+            metrics = {m.name: m for m in router.metrics.registry.collect()}
+            assert metrics["kvrelay_router_prefilled_on_decode"].samples[0].value == 2
+            assert router_finished(router) == {("success", "length"): 2, ("aborted", "aborted"): 1}
+            await router.close()
+            for _ in range(500):
                 if not any(w.outstanding for w in table.workers("prefill") + table.workers("decode")):
                     break
                 await asyncio.sleep(0.01)

@@ -33,6 +33,8 @@ def test_a_sweep_of_seeds_breaks_no_invariant():
     outcomes = {k for r in results for k in r.outcomes}
     # the sweep reaches successes, client departures and failures with reasons, not only one
     assert {"length", "stop", "left"} <= outcomes and outcomes - {"length", "stop", "left", "abort"}, outcomes
+    # the router's adaptive split ran: some requests were prefilled on their decode worker
+    assert sum(r.prefilled_on_decode for r in results) > 0
 
 
 def test_one_seed_replays_exactly():

@@ -23,7 +23,10 @@ from kvrelay.disagg.transfer.common import CommonManager
 from kvrelay.sim import faults as fl
 from kvrelay.disagg.decode_side import DecodeSide
 from kvrelay.disagg.lease import Coordinator
-from kvrelay.sim.run import run_seed
+from kvrelay.sim.run import SimConfig, run_seed
+
+# Recorded before the router's adaptive split existed: replayed with it off.
+BEFORE_SPLIT = SimConfig(split=0)
 
 # (seed, shrunk schedule) of a cluster-wide pause past the lease while writes were pending
 PAUSES = [
@@ -50,7 +53,7 @@ def release_on_death(self, address):
 
 @pytest.mark.parametrize("seed,schedule", PAUSES)
 def test_no_write_lands_after_a_pause_past_the_lease(seed, schedule):
-    r = run_seed(seed, schedule=fl.from_json(schedule))
+    r = run_seed(seed, BEFORE_SPLIT, schedule=fl.from_json(schedule))
     assert r.ok, r.violation
 
 
@@ -63,13 +66,13 @@ def test_the_pause_schedules_still_reach_the_bug(monkeypatch):
     monkeypatch.setattr(CommonManager, "progress_job", unfenced)
     monkeypatch.setattr(DecodeSide, "_peer_dead", release_on_death)
     for seed, schedule in PAUSES:
-        r = run_seed(seed, schedule=fl.from_json(schedule))
+        r = run_seed(seed, BEFORE_SPLIT, schedule=fl.from_json(schedule))
         assert not r.ok and r.violation.invariant == "no-late-write", (seed, r.violation)
 
 
 @pytest.mark.parametrize("seed,schedule", GAPS)
 def test_no_write_lands_after_d_declared_a_live_p_dead(seed, schedule):
-    r = run_seed(seed, schedule=fl.from_json(schedule))
+    r = run_seed(seed, BEFORE_SPLIT, schedule=fl.from_json(schedule))
     assert r.ok, r.violation
 
 
@@ -78,7 +81,7 @@ def test_the_gap_schedules_still_reach_the_bug(monkeypatch):
     no-late-write: they still test what they should."""
     monkeypatch.setattr(DecodeSide, "_peer_dead", release_on_death)
     for seed, schedule in GAPS:
-        r = run_seed(seed, schedule=fl.from_json(schedule))
+        r = run_seed(seed, BEFORE_SPLIT, schedule=fl.from_json(schedule))
         assert not r.ok and r.violation.invariant == "no-late-write", (seed, r.violation)
 
 
@@ -92,7 +95,7 @@ STALE_LEASE = [
 
 @pytest.mark.parametrize("seed,schedule", STALE_LEASE)
 def test_a_stale_lease_does_not_end_the_new_writers_quarantine(seed, schedule):
-    r = run_seed(seed, schedule=fl.from_json(schedule))
+    r = run_seed(seed, BEFORE_SPLIT, schedule=fl.from_json(schedule))
     assert r.ok, r.violation
 
 
@@ -102,5 +105,5 @@ def test_the_stale_lease_schedule_still_reaches_the_bug(monkeypatch):
         return q.incarnation is not None and bool(self._visible(q.peer) - {q.incarnation})
     monkeypatch.setattr(DecodeSide, "_restarted", any_other)
     for seed, schedule in STALE_LEASE:
-        r = run_seed(seed, schedule=fl.from_json(schedule))
+        r = run_seed(seed, BEFORE_SPLIT, schedule=fl.from_json(schedule))
         assert not r.ok and r.violation.invariant == "no-late-write", (seed, r.violation)

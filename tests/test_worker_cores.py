@@ -169,6 +169,69 @@ def test_abort_in_any_phase_ends_both_legs(pair, phase):
     pair.assert_idle()
 
 
+def test_a_leg_the_decode_worker_prefills_itself_matches_colocated_and_ends_by_abort_or_deadline(pair, tiny_engine):
+    """A decode leg with no prefill address (the router's adaptive split): D's engine
+    prefills it beside legs whose KV comes from P; greedy, seeded and n=2 outputs equal
+    colocated ones; its room is in decode from the start and reports its prompt as queued
+    work; an abort and --max-request-time end it with one final output per choice; nothing
+    is left on either side."""
+    here = [greedy(f"here{i}", range(4 + i, 30 + 9 * i), n=8 + i) for i in range(3)]
+    here.append(GenerateRequest("here-seeded-n2", tuple(range(50, 75)),
+                                SamplingParams(max_tokens=9, temperature=0.8, seed=3, n=2, ignore_eos=True)))
+    via_p = [greedy(f"via-p{i}", range(7 + i, 40 + 5 * i), n=10) for i in range(2)]
+
+    async def local(greq, engine=None):
+        pair.room += 1
+        return [o async for o in (engine or pair.D).generate(greq, room=pair.room, prefill_address=None)]
+
+    async def main():
+        got = await asyncio.gather(*[local(r) for r in here], *[pair.run(r) for r in via_p])
+        want = [await colocated(tiny_engine, r) for r in here + via_p]
+        return got, want
+
+    got, want = asyncio.run(main())
+    for r, outs, couts in zip(here, got, want):
+        for i in range(r.params.n):
+            mine = [o for o in outs if o.index == i]
+            assert tokens(mine) == tokens([o for o in couts if o.index == i]), (r.rid, i)
+            assert sum(o.finished for o in mine) == 1 and mine[-1].finish_reason is FinishReason.LENGTH
+    for r, (pouts, douts), couts in zip(via_p, got[len(here):], want[len(here):]):
+        assert tokens(douts) == tokens(couts), r.rid
+    events = [e for e in pair.D.call(lambda c: list(c.side.lc.events)) if e.rid.startswith("here")]
+    assert sorted((e.rid, e.phase, e.from_phase) for e in events) == sorted((r.rid, "done", "decode") for r in here)
+
+    aborted, seen = greedy("here-abort", range(5, 60), n=400), {}
+
+    async def abort_it():
+        task = asyncio.create_task(local(aborted))
+        while not seen.get("phases"):
+            await asyncio.sleep(0.01)
+            view = pair.D.call(lambda c: (c.debug_view()["phases"], c.queued_prompt_tokens()))
+            if view[0]["decode"] == 1:
+                seen["phases"], seen["queued"] = view
+        await asyncio.sleep(0.2)
+        await pair.D.abort(aborted.rid)
+        return await asyncio.wait_for(task, 10)
+
+    outs = asyncio.run(abort_it())
+    assert seen["phases"] == {"bootstrap": 0, "waiting": 0, "decode": 1}
+    assert seen["queued"] in (0, 55)   # its prompt, until the engine computed it
+    assert sum(o.finished for o in outs) == 1 and outs[-1].finish_reason is FinishReason.ABORT
+    assert 1 <= len(tokens(outs)) < 400
+    pair.assert_idle()
+
+    slow = replace(LIFE, max_request_time=0.05)   # far less than 960 tokens take
+    D = AsyncEngine(lambda: DecodeCore(pair.D.core.loaded, KV, SCHED, slow, TransferConfig(transfer_backend="shm")))
+    try:
+        outs = asyncio.run(local(greedy("here-deadline", range(5, 60), n=960), engine=D))
+        assert sum(o.finished for o in outs) == 1 and outs[-1].finish_reason is FinishReason.ERROR
+        assert outs[-1].error.startswith("timeout:decode"), outs[-1].error
+        D.check_idle(timeout=15)
+    finally:
+        D.shutdown()
+        D.core.close()
+
+
 def test_decode_failure_before_kv_reaches_prefill(pair):
     """D gives up (abort while waiting for KV): P's leg fails with the reason, not silence."""
     greq = greedy("dfail", range(5, 40), n=8)

@@ -159,6 +159,10 @@ class RouterConfig:
     shed_ttft: float = _f(0.0, "shed load: refuse a new request (503 with Retry-After, code overloaded) when the "
                           "prefill workers' reported queues predict its first token later than this many "
                           "seconds; 0: off")
+    decode_prefill_ttft: float = _f(0.0, "the adaptive P/D split: a request whose first token the prefill "
+                                    "workers' queues predict later than this many seconds is prefilled by its "
+                                    "decode worker instead (no KV transfer) when that worker predicts it "
+                                    "sooner; 0: never")
 
     def __post_init__(self) -> None:
         _require(self.request_timeout > 0, "--request-timeout must be positive")
@@ -167,6 +171,8 @@ class RouterConfig:
         _require(self.health_timeout > 0, "--health-timeout must be positive")
         _require(self.health_misses >= 1, "--health-misses must be at least 1")
         _require(self.shed_ttft >= 0, "--shed-ttft must be 0 (off) or a positive number of seconds")
+        _require(self.decode_prefill_ttft >= 0, "--decode-prefill-ttft must be 0 (off) or a positive number "
+                 "of seconds")
 
     @property
     def health_lease(self) -> float:

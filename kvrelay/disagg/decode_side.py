@@ -1,4 +1,6 @@
-"""The decode worker's request lifecycle: bootstrap -> waiting -> decode -> done.
+"""The decode worker's request lifecycle: bootstrap -> waiting -> decode -> done, or, for a
+request whose prompt this worker prefills itself (the router's adaptive split), decode ->
+done with no peer and no transfer.
 
 The decode worker's scheduler loop drives it: `add()` per request, `step()` once per
 iteration, `take_ready()` to admit rooms whose KV and first token arrived, `finish()` when
@@ -28,7 +30,7 @@ from kvrelay.core.clock import Clock
 from kvrelay.core.config import LifecycleConfig
 from kvrelay.disagg import wire
 from kvrelay.disagg.lease import Coordinator, PeerLease
-from kvrelay.disagg.lifecycle import (D_TRANSITIONS, DPhase, Lifecycle, Reason, Room, TerminalEvent,
+from kvrelay.disagg.lifecycle import (D_TRANSITIONS, NO_PEER, DPhase, Lifecycle, Reason, Room, TerminalEvent,
                                       d_deadlines, phase_name)
 from kvrelay.disagg.transfer.base import KVReceiver, TransferManager, TransferStatus
 
@@ -76,6 +78,11 @@ class DecodeSide(Coordinator):
         if self.capacity is not None and n_pages > self.capacity:
             self._fail(r, Reason.INVALID_REQUEST.value,
                        f"needs {n_pages} KV pages, the pool has {self.capacity}")
+
+    def add_local(self, room: int, rid: str) -> None:
+        """Admit a request this worker's engine prefills itself: it enters decode at once
+        (the engine owns its pages, under its rid) and ends by finish() or abort()."""
+        self.lc.add(room, rid, peer=NO_PEER, phase=DPhase.DECODE)
 
     def take_ready(self) -> list[tuple[int, wire.Aux]]:
         """Rooms whose KV and aux have all arrived; they enter decode and keep their pages

@@ -5,9 +5,12 @@ A leg goes: `add` (bootstrap: learn P's endpoint, reserve pages, waiting while t
 is full) -> waiting (destination sent; KV and aux arriving) -> `take_ready`: the pages
 change owner from the room to the request, which joins the running batch with the first
 token from aux (decode) -> the engine finishes it -> `side.finish`. Continuous batching,
-sampling and stop handling are the engine's.
+sampling and stop handling are the engine's. A leg with no prefill address (the router's
+adaptive split: P's queue would miss TTFT) is prefilled by this engine: its room enters
+decode at once and the request is queued like a colocated one.
 
 Invariants:
+- A room prefilled here never owns pages: the engine allocates them under its rid.
 - Reserved pages are owned by `("room", room)` until the request enters the engine; after
   that the engine owns them (under its rid) and frees them when it finishes the request,
   so `_release_room` then finds nothing to free.
@@ -26,9 +29,10 @@ from kvrelay.disagg import wire
 from kvrelay.disagg.decode_side import DecodeSide
 from kvrelay.disagg.lifecycle import DPhase, Reason, TerminalEvent, phase_name
 from kvrelay.disagg.worker_core import Leg, WorkerCore, reason_of
+from kvrelay.engine.core import EngineCore
 from kvrelay.engine.sampling import SampleResult
 from kvrelay.engine.scheduler import pages_for
-from kvrelay.engine.types import FinishReason, GenerateRequest, StepOutput, TokenLogprob
+from kvrelay.engine.types import FinishReason, GenerateRequest, RequestRejected, StepOutput, TokenLogprob
 
 
 class DecodeCore(WorkerCore):
@@ -42,10 +46,25 @@ class DecodeCore(WorkerCore):
                           on_terminal=self._on_terminal, capacity=self.kv.num_pages)
 
     # ---- legs ----------------------------------------------------------------------------
-    def add(self, greq: GenerateRequest, sink, room: int, prefill_address: str) -> None:  # type: ignore[override]
+    def add(self, greq: GenerateRequest, sink, room: int,  # type: ignore[override]
+            prefill_address: str | None) -> None:
+        """`prefill_address`: the P that computes the prompt; None: this engine does."""
         self.validate_leg(greq)
-        self._add_leg(Leg(greq, sink, room, finals=greq.params.n))
+        if prefill_address is None and greq.rid in self._reqs:   # so that EngineCore.add cannot refuse it
+            raise RequestRejected(f"request id {greq.rid} is already live on this worker", param="rid")
+        leg = Leg(greq, sink, room, finals=greq.params.n)
+        self._add_leg(leg)
+        if prefill_address is None:
+            self.side.add_local(room, greq.rid)
+            leg.in_engine = True
+            EngineCore.add(self, greq, self._engine_sink(leg))
+            return
         self.side.add(room, greq.rid, prefill_address, pages_for(len(greq.prompt_ids), self.layout.page_size))
+
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens this engine has yet to compute: of the legs it prefills itself and
+        of preempted requests it recomputes."""
+        return sum(r.seq_len - r.num_computed for r in self.scheduler.waiting)
 
     def _reserve(self, room: int, n: int) -> tuple[list[int], int] | None:
         pages = self.allocator.allocate(n, ("room", room))

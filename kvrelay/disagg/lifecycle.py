@@ -33,10 +33,13 @@ class PPhase(enum.IntEnum):
 class DPhase(enum.IntEnum):
     BOOTSTRAP = 0   # learning P's endpoint, reserving pages
     WAITING = 1     # destination sent, waiting for KV + aux
-    DECODE = 2      # in the running batch
+    DECODE = 2      # in the engine: decoding (a room prefilled here enters at DECODE: NO_PEER)
     DONE = 3
     FAILED = 4
     ABORTED = 5
+
+
+NO_PEER = ""   # a room's peer when it has none: a decode room whose prompt its own engine prefills
 
 
 def _table(chain, done, failed, aborted) -> dict:
@@ -127,11 +130,16 @@ class Lifecycle:
         self.terminal_counts: Counter = Counter()  # (phase, reason) -> n
         self.on_leave: Callable[[str, float], None] | None = None  # (phase left, seconds in it)
 
-    def add(self, room: int, rid: str, peer: str | None = None) -> Room:
+    def add(self, room: int, rid: str, peer: str | None = None, phase=None) -> Room:
+        """`phase`: where the room enters (default the first); a room with no peer may
+        enter later in the chain (the decode room prefilled here enters at DECODE)."""
         if room in self.rooms:
             raise ValueError(f"room {room} is already live on the {self.side} side")
+        phase = self.first if phase is None else phase
+        if phase not in self.transitions or (phase != self.first and peer != NO_PEER):
+            raise TransitionError(f"{self.side} room {room} cannot enter at {phase_name(phase)}")
         now = self.clock.now()
-        r = Room(room, rid, self.first, now, now, self._deadline(self.first, now), peer)
+        r = Room(room, rid, phase, now, now, self._deadline(phase, now), peer)
         self.rooms[room] = r
         return r
 

@@ -62,14 +62,16 @@ class Worker:
     def free_pages(self) -> int:
         return self.health.free_pages if self.health else 0
 
-    def predicted_wait(self, prompt_tokens: int = 0) -> float | None:
+    def predicted_wait(self, prompt_tokens: int = 0, per_token: float | None = None) -> float | None:
         """Seconds until a prompt of `prompt_tokens` sent here now is prefilled: the prompt
         tokens the worker reported queued, those sent since its report, and this one, at
-        its measured seconds per prompt token. None until it has measured one."""
-        per_token = self.health.prefill_s_per_token if self.health else None
-        if per_token is None:
+        its measured seconds per prompt token, else at `per_token`. None if neither is known."""
+        own = self.health.prefill_s_per_token if self.health else None
+        rate = own if own is not None else per_token
+        if rate is None:
             return None
-        return (self.health.queued_prompt_tokens + self.sent_tokens + prompt_tokens) * per_token
+        queued = self.health.queued_prompt_tokens if self.health else 0
+        return (queued + self.sent_tokens + prompt_tokens) * rate
 
     def load_key(self) -> tuple[float, ...]:
         """Smaller is better. A decode worker must also hold the request's KV, so among
@@ -82,12 +84,35 @@ class Worker:
 
 @dataclass(frozen=True)
 class Pair:
-    prefill: Worker
+    """Where a request runs. `prefill` None: the decode worker prefills it too (no transfer)."""
+    prefill: Worker | None
     decode: Worker
 
     @property
     def urls(self) -> frozenset[str]:
-        return frozenset((self.prefill.url, self.decode.url))
+        return frozenset(w.url for w in (self.prefill, self.decode) if w is not None)
+
+    @property
+    def prefill_url(self) -> str:
+        """The worker that computes the prompt."""
+        return (self.prefill or self.decode).url
+
+
+def split(pair: Pair, prompt_tokens: int, limit: float) -> Pair:
+    """The adaptive P/D split (--decode-prefill-ttft `limit`; 0: off): a request whose first
+    token the prefill worker predicts later than `limit` is prefilled on its decode worker
+    instead, when that one predicts it sooner (at its own measured rate, else P's). The
+    decode worker pays with its batch's decode steps while it prefills, so it takes only
+    what P would serve late."""
+    if limit <= 0 or pair.prefill is None:
+        return pair
+    at_p = pair.prefill.predicted_wait(prompt_tokens)
+    if at_p is None or at_p <= limit:
+        return pair
+    at_d = pair.decode.predicted_wait(prompt_tokens, pair.prefill.health.prefill_s_per_token)
+    if at_d is None or at_d >= at_p:
+        return pair
+    return Pair(None, pair.decode)
 
 
 @dataclass(frozen=True)
@@ -195,7 +220,8 @@ class WorkerTable:
 
     # -- legs ------------------------------------------------------------------------------
     def leg_started(self, url: str, prompt_tokens: int = 0) -> None:
-        """`prompt_tokens`: what the leg asks the worker to prefill (0 for a decode leg)."""
+        """`prompt_tokens`: what the leg asks the worker to prefill (0 for a decode leg
+        whose prompt a prefill worker computes)."""
         w = self._workers[url]
         w.outstanding += 1
         w.sent_tokens += prompt_tokens

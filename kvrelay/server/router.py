@@ -43,7 +43,7 @@ from kvrelay.obs.metrics import ServingMetrics, Snapshot
 from kvrelay.server.errors import OpenAIError, StartupError, retry_headers
 from kvrelay.server.observe import WORKERS_PATH, observability_router, scrape_workers
 from kvrelay.server.openai_api import build_openai_app
-from kvrelay.server.pairing import NoPair, Pair, WorkerTable
+from kvrelay.server.pairing import NoPair, Pair, WorkerTable, split
 from kvrelay.server.security import Gate, api_gate, auth_headers, check_tls, load_cluster_key, worker_verify
 from kvrelay.server.startup import access_logged, serving_url, stop_on_sigterm, uvicorn_options
 from kvrelay.server.worker_client import (ABORT_TIMEOUT, PEER_FAILED, LegFailure, LegLines, WorkerAPI,
@@ -78,6 +78,10 @@ class Attempt:
         self._final: set[str] = set()    # sides whose final line has arrived
         self._dead: set[str] = set()     # sides whose worker died: nothing there to abort
         self._stopped = False
+        if pair.prefill is None:   # the adaptive split: D prefills it, no prefill leg
+            self.legs = {DECODE: (pair.decode.url, self._start(DECODE, pair.decode.url,
+                                                               leg.model_copy(update={"prefill_here": True})))}
+            return
         to_decode = leg.model_copy(update={"prefill_address": pair.prefill.health.transfer_address})
         self.legs = {PREFILL: (pair.prefill.url, self._start(PREFILL, pair.prefill.url, leg)),
                      DECODE: (pair.decode.url, self._start(DECODE, pair.decode.url, to_decode))}
@@ -85,7 +89,7 @@ class Attempt:
     def _start(self, side: str, url: str, leg: LegRequest) -> asyncio.Task:
         # Counted from now (not from when the task first runs), so that requests arriving
         # in the same loop turn already see this leg's load.
-        self.table.leg_started(url, len(leg.prompt_ids) if side == PREFILL else 0)
+        self.table.leg_started(url, len(leg.prompt_ids) if side == PREFILL or leg.prefill_here else 0)
         task = asyncio.create_task(self._run(side, url, leg), name=f"{side}-leg-{leg.rid}")
         task.add_done_callback(lambda _: self.table.leg_ended(url))
         return task
@@ -169,7 +173,7 @@ class Routed:
         pair = self.current.pair if self.current else None
         return {"id": self.rid, "room": self.room, "phase": self.phase, "age": round(now - self.arrival, 3),
                 "in_phase": round(now - self.phase_since, 3), "deadline_in": round(self.deadline - now, 3),
-                "prefill": pair.prefill.url if pair else None, "decode": pair.decode.url if pair else None,
+                "prefill": pair.prefill_url if pair else None, "decode": pair.decode.url if pair else None,
                 "attempt": self.attempt, "tokens": self.tokens}
 
 
@@ -182,6 +186,7 @@ class RouterClient(EngineClient):
         self.clock = clock or MonotonicClock()
         self.metrics = ServingMetrics("router", PHASES, self.snapshot, model_name=model_name)
         self._live: dict[str, Routed] = {}
+        self.prefilled_on_decode = 0   # requests the adaptive split sent to a decode worker whole
         self._background: dict[asyncio.Task, None] = {}   # insertion-ordered, not by id(): replayable
         monitor.on_dead = self.worker_dead
 
@@ -266,13 +271,19 @@ class RouterClient(EngineClient):
         pair = self.table.pick_pair()
         if isinstance(pair, NoPair):
             raise OpenAIError(503, pair.message, None, "no_healthy_worker", retry_headers(503))
+        assert pair.prefill is not None
+        placed = split(pair, prompt_tokens, self.cfg.decode_prefill_ttft)
         limit = self.cfg.shed_ttft
-        wait = pair.prefill.predicted_wait(prompt_tokens) if limit > 0 else None
-        if wait is not None and wait > limit:   # the soonest of the workers that answer checks
-            raise OpenAIError(503, f"overloaded: the prompt tokens queued on the prefill workers predict {wait:.1f} s "
-                              f"to this request's first token, over --shed-ttft {limit:g} s; retry later",
-                              None, "overloaded", retry_headers(503))
-        return pair
+        if limit > 0:   # at the soonest place among the workers that answer checks
+            rate = pair.prefill.health.prefill_s_per_token if pair.prefill.health else None
+            wait = (placed.prefill or placed.decode).predicted_wait(prompt_tokens, rate)
+            if wait is not None and wait > limit:
+                raise OpenAIError(503, f"overloaded: the prompt tokens queued on the workers predict {wait:.1f} s "
+                                  f"to this request's first token, over --shed-ttft {limit:g} s; retry later",
+                                  None, "overloaded", retry_headers(503))
+        if placed.prefill is None:
+            self.prefilled_on_decode += 1
+        return placed
 
     def _dispatch(self, routed: Routed, request: GenerateRequest, pair: Pair) -> Attempt:
         routed.attempt += 1
@@ -287,7 +298,7 @@ class RouterClient(EngineClient):
                          sampling=WireSampling.of(request.params))
         routed.current = Attempt(self.api, self.table, pair, leg, self._spawn, self.monitor.failed)
         log.info("request dispatched", extra={"rid": routed.rid, "room": routed.room, "attempt": routed.attempt,
-                                              "prefill": pair.prefill.url, "decode": pair.decode.url})
+                                              "prefill": pair.prefill_url, "decode": pair.decode.url})
         return routed.current
 
     async def _next_output(self, routed: Routed, attempt: Attempt) -> StepOutput:
@@ -373,7 +384,7 @@ class RouterClient(EngineClient):
         log.info("request finished", extra={
             "rid": routed.rid, "room": routed.room, "outcome": outcome, "reason": reason, "attempts": routed.attempt,
             "tokens": routed.tokens, "ttft": ttft, "duration": round(now - routed.arrival, 3),
-            "prefill": pair.prefill.url if pair else None, "decode": pair.decode.url if pair else None})
+            "prefill": pair.prefill_url if pair else None, "decode": pair.decode.url if pair else None})
 
     def _spawn(self, coro: Coroutine) -> None:
         task = asyncio.create_task(coro)
@@ -388,7 +399,8 @@ class RouterClient(EngineClient):
         return Snapshot(phases={phase: [now - r.arrival for r in live if r.phase == phase] for phase in PHASES},
                         overdue={phase: sum(1 for r in live if r.phase == phase and now >= r.deadline)
                                  for phase in PHASES},
-                        workers=[(w.url, w.role, w.up) for w in workers])
+                        workers=[(w.url, w.role, w.up) for w in workers],
+                        counters={"kvrelay_router_prefilled_on_decode": self.prefilled_on_decode})
 
     async def worker_metrics(self) -> bytes:
         """Every worker's /metrics, scraped now, with `worker` and `role` labels."""

@@ -91,11 +91,15 @@ def prepare_leg(core: WorkerCore, body: LegRequest) -> tuple[GenerateRequest, di
     that can never run here; reads fixed state only (safe off the engine thread)."""
     greq = GenerateRequest(body.rid, tuple(body.prompt_ids), body.sampling.params())
     core.validate_leg(greq)
-    kwargs = {"room": body.room}
+    kwargs: dict = {"room": body.room}
     if core.role == "decode":
-        if not body.prefill_address:
-            raise RequestRejected("a decode leg needs prefill_address", param="prefill_address")
+        if body.prefill_here == bool(body.prefill_address):
+            raise RequestRejected("a decode leg needs exactly one of prefill_address and prefill_here",
+                                  param="prefill_address")
         kwargs["prefill_address"] = body.prefill_address
+    elif body.prefill_here or body.prefill_address:
+        field = "prefill_here" if body.prefill_here else "prefill_address"
+        raise RequestRejected(f"{field} is for a decode leg; this is a prefill worker", param=field)
     return greq, kwargs
 
 

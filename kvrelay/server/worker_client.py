@@ -53,9 +53,9 @@ def failure_of(out: StepOutput, url: str) -> LegFailure:
 
 
 def leg_finals(leg: LegRequest) -> int:
-    """Final lines a leg's stream owes: one per choice on a decode leg (it carries P's
-    address), the one answer of a prefill leg."""
-    return leg.sampling.n if leg.prefill_address is not None else 1
+    """Final lines a leg's stream owes: one per choice on a decode leg, the one answer of
+    a prefill leg."""
+    return leg.sampling.n if leg.is_decode else 1
 
 
 class LegLines:

@@ -122,8 +122,10 @@ Rid = Annotated[str, Field(min_length=1, max_length=MAX_RID_CHARS), AfterValidat
 
 
 class LegRequest(BaseModel):
-    """One leg of a disaggregated request. `prefill_address` (decode legs only) is P's
-    control address, from P's WorkerHealth.transfer_address: `tcp://host:port`."""
+    """One leg of a disaggregated request. A decode leg has exactly one of
+    `prefill_address` (P's control address, from P's WorkerHealth.transfer_address:
+    `tcp://host:port`) and `prefill_here` (the decode worker prefills the prompt itself:
+    the router's adaptive split); a prefill leg has neither (the worker checks, with a 400)."""
     model_config = _STRICT
 
     rid: Rid
@@ -131,6 +133,11 @@ class LegRequest(BaseModel):
     prompt_ids: list[TokenId] = Field(min_length=1, max_length=MAX_PROMPT_IDS)
     sampling: WireSampling
     prefill_address: str | None = None
+    prefill_here: bool = False
+
+    @property
+    def is_decode(self) -> bool:
+        return self.prefill_address is not None or self.prefill_here
 
     @field_validator("prefill_address")
     @classmethod
@@ -163,9 +170,10 @@ class WorkerHealth(BaseModel):
     queued_requests: int       # rooms not yet computing (P: bootstrap+queued; D: bootstrap+waiting)
     free_pages: int
     total_pages: int
-    # A prefill worker's queue in time (the router's TTFT prediction, --shed-ttft): prompt
-    # tokens not yet computed of its rooms before transfer, and its measured seconds per
-    # prompt token (null until it prefilled once; always null on a decode worker).
+    # A worker's prefill queue in time (the router's TTFT prediction: --shed-ttft,
+    # --decode-prefill-ttft): prompt tokens it has yet to compute (P: of its rooms before
+    # transfer; D: of the legs it prefills itself and of preempted requests), and its
+    # measured seconds per prompt token (null until it prefilled once).
     queued_prompt_tokens: int = Field(0, ge=0)
     prefill_s_per_token: float | None = Field(None, ge=0, allow_inf_nan=False)
     # What computes (`LoadedModel.compute_info`): the kernel variant, dtype, weight storage.

@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=SimConfig.requests)
     ap.add_argument("--max-n", type=int, default=SimConfig.max_n,
                     help="some requests ask for 2..MAX_N choices (n), drawn per seed (1: none)")
+    ap.add_argument("--split", type=int, choices=(0, 1), default=SimConfig.split,
+                    help="1: draw the router's adaptive P/D split (--decode-prefill-ttft) per seed; 0: keep it "
+                         "off (replays a schedule recorded before the split existed)")
     ap.add_argument("--schedule", help="replay this fault schedule (JSON, as printed) instead of drawing one")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes")
     ap.add_argument("--no-shrink", action="store_true")
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-decode", dest="num_decode", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     cfg = SimConfig(num_prefill=args.num_prefill, num_decode=args.num_decode, requests=args.requests,
-                    max_n=args.max_n)
+                    max_n=args.max_n, split=args.split)
     seeds = list(args.seeds)
     t0 = time.perf_counter()
     if args.schedule is not None:

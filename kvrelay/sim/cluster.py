@@ -28,6 +28,7 @@ from kvrelay.disagg.decode_worker import DecodeCore
 from kvrelay.disagg.faults import FaultSpec
 from kvrelay.disagg.prefill_worker import PrefillCore
 from kvrelay.engine.engine import AsyncEngine
+from kvrelay.engine.scheduler import StepCosts
 from kvrelay.engine.types import StepOutput
 from kvrelay.server.router import RouterClient
 from kvrelay.server.worker_app import leg_outputs, prepare_leg
@@ -43,6 +44,24 @@ class Costs:
     """Modelled compute time of one engine iteration that ran a batch."""
     step: float = 0.002        # seconds per forward pass
     per_token: float = 0.0002  # seconds per token position computed
+
+
+class ModelledCosts(StepCosts):
+    """The engine times each pass on the sim clock, which stands still during a step: this
+    keeps the pass's counts, and the worker's loop charges them the modelled cost, so the
+    costs a worker reports (and the router predicts with) are the model's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pass: tuple[int, int] | None = None
+
+    def observe(self, decodes: int, tokens: int, seconds: float) -> None:
+        self._pass = (decodes, tokens)
+
+    def charge(self, seconds: float) -> None:
+        if self._pass is not None:
+            super().observe(*self._pass, seconds)
+            self._pass = None
 
 
 class _KickQueue(queue.SimpleQueue):
@@ -96,6 +115,7 @@ class SimWorker:
 
         self.engine = AsyncEngine(build, threaded=False)
         self.engine._inbox = _KickQueue(self._kick)
+        self.engine.core.scheduler.costs = ModelledCosts()
         m = self.core.manager
         m.write_iters, m.chunk_pages, m.chunk_interval = sim.write_iters, sim.chunk_pages, sim.chunk_interval
         m.land_delay = sim.land_delay
@@ -124,6 +144,7 @@ class SimWorker:
                 cost = (self.sim.costs.step + runner.work * self.sim.costs.per_token) * self.slow
                 if core.last_prefill is not None:
                     core.last_prefill = (core.last_prefill[0], cost)   # what the step would have measured
+                core.scheduler.costs.charge(cost)
                 await asyncio.sleep(cost)
             elif not self._kick.is_set():   # wait for a command, at most idle_wait (a timer kicks too)
                 wake = asyncio.get_running_loop().call_later(core.idle_wait, self._kick.set)

@@ -83,6 +83,7 @@ class SimConfig:
     window: float = 3.0           # seconds over which requests arrive and faults start
     max_faults: int = 4
     max_n: int = 1                # choices per request drawn from 1..max_n (1: every request n=1)
+    split: int = 1                # 1: the router's --decode-prefill-ttft drawn per seed; 0: always off
 
 
 @dataclass
@@ -115,6 +116,7 @@ class Result:
     violation: Violation | None
     sim_seconds: float
     outcomes: dict[str, int]
+    prefilled_on_decode: int = 0   # requests the router's adaptive split gave a decode worker whole
 
     @property
     def ok(self) -> bool:
@@ -137,8 +139,11 @@ class Sim:
         self.transfer = TransferConfig(transfer_backend=rng.choice(["fake", "fake-twosided"]))
         self.write_iters = rng.choice([1, 1, 3])
         self._draw_more(random.Random(seed ^ 0x7E57))
+        # The adaptive split, from a stream of its own: a limit this low moves every request
+        # that finds P's queue behind it to its decode worker.
+        split = random.Random(seed ^ 0x5B117).choice([0.0, 0.0, 0.002, 0.05]) if cfg.split else 0.0
         self.router_cfg = RouterConfig(request_timeout=30.0, health_interval=0.5, health_timeout=1.0,
-                                       health_misses=3)
+                                       health_misses=3, decode_prefill_ttft=split)
         self.costs = Costs()
         small = rng.random() < 0.3     # a decode pool too small: preemption and waiting for pages
         self.workers = [SimWorker(self, "prefill", i, KVCacheConfig(page_size=4, max_kv_tokens=2048))
@@ -209,7 +214,9 @@ class Sim:
             key = "left" if a.left else a.error.split(":")[0] if a.error else (
                 a.outputs[-1].finish_reason.value if a.outputs and a.outputs[-1].finish_reason else "none")
             outcomes[key] = outcomes.get(key, 0) + 1
-        return Result(self.seed, self.schedule, self.violation, self.clock.now() - 1000.0, outcomes)
+        client = self.router.client if self.router is not None else None
+        return Result(self.seed, self.schedule, self.violation, self.clock.now() - 1000.0, outcomes,
+                      client.prefilled_on_decode if client is not None else 0)
 
     def fail(self, v: AssertionError) -> None:
         """The first violation ends the run, whichever task found it (an assertion from a
