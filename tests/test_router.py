@@ -233,6 +233,16 @@ async def run(router: RouterClient, rid: str, max_tokens: int = 6) -> list:
     return [out async for out in router.generate(token_request(rid, max_tokens))]
 
 
+async def assert_no_leg_open(table) -> None:
+    """Waits (a finished leg's task ends when its stream closes), then no worker has a leg open."""
+    workers = table.workers("prefill") + table.workers("decode")
+    for _ in range(500):
+        if not any(w.outstanding for w in workers):
+            break
+        await asyncio.sleep(0.01)
+    assert [w.outstanding for w in workers] == [0] * len(workers)
+
+
 def router_finished(router: RouterClient) -> dict[tuple[str, str], float]:
     return {(s.labels["outcome"], s.labels["reason"]): s.value
             for m in router.metrics.registry.collect() if m.name == "kvrelay_requests_finished"
@@ -500,11 +510,7 @@ def test_shed_ttft_refuses_a_request_the_prefill_queue_predicts_late_and_admits_
             assert (await run(router, "third"))[-1].finish_reason is FinishReason.LENGTH
             assert router_finished(router) == {("failed", "overloaded"): 1, ("success", "length"): 2}
             await router.close()
-            for _ in range(500):   # a finished leg's task ends when its stream closes
-                if not any(w.outstanding for w in table.workers("prefill") + table.workers("decode")):
-                    break
-                await asyncio.sleep(0.01)
-            assert [w.outstanding for w in table.workers("prefill") + table.workers("decode")] == [0, 0]
+            await assert_no_leg_open(table)
     asyncio.run(main())
     cluster.assert_no_leak()
 
@@ -551,11 +557,7 @@ def test_the_adaptive_split_prefills_on_the_decode_worker_same_tokens_abortable_
             assert metrics["kvrelay_router_prefilled_on_decode"].samples[0].value == 2
             assert router_finished(router) == {("success", "length"): 2, ("aborted", "aborted"): 1}
             await router.close()
-            for _ in range(500):
-                if not any(w.outstanding for w in table.workers("prefill") + table.workers("decode")):
-                    break
-                await asyncio.sleep(0.01)
-            assert [w.outstanding for w in table.workers("prefill") + table.workers("decode")] == [0, 0]
+            await assert_no_leg_open(table)
     asyncio.run(main())
     cluster.assert_no_leak()
 
