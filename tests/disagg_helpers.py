@@ -29,6 +29,10 @@ CFG = LifecycleConfig(heartbeat_interval=1.0, heartbeat_misses=3, bootstrap_time
                       queue_timeout=8.0, waiting_timeout=9.0, transfer_timeout=4.0,
                       max_request_time=None, quarantine_grace=2.0)
 DT = 0.05  # simulated seconds per scheduler iteration
+# Simulated seconds a frame may spend in a real socket: the harness sleeps 1 ms of real time per
+# step, so a 20 ms stall of this machine is 20 steps. Below the lease minus a heartbeat, so a
+# bound with it still tells a heartbeat's answer from the lease's.
+DELIVERY = 1.0
 
 
 def backends_under_test() -> list[str]:

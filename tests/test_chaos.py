@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from chaos import Options, print_table, run_seeds
 
-# Short episodes (fewer requests, one fault) on 1 prefill + 2 decode workers:
-# 0 saturates the small decode pool (the deadlock test_scheduler.py now covers), 7 kills a decode
-# worker, 11 freezes one past the router's lease, 16 drops every Aux a prefill worker sends,
-# 27 kills the prefill worker.
+# Short episodes (fewer requests, one fault) on 1 prefill + 2 decode workers, for the faults no
+# other test puts on real processes: 16 drops every Aux a prefill worker sends, 27 kills the
+# prefill worker, and 65 (below). Seeds found earlier that other tests now cover: 0 saturated
+# the small decode pool (test_scheduler.py's deadlock test), 7 killed a decode worker and 11
+# froze one past the router's lease (test_cluster.py); `make chaos` still draws them.
 # 65 is the regression chaos seed 39 found (2P+2D; here 1P+2D): `hang_transfer=1` on the
 # prefill worker. P's write never completes, so its aux never goes out; P held the room in
 # `transfer` while D listed it as `waiting`, and only the 60 s backstops ended the request.
@@ -14,7 +15,7 @@ from chaos import Options, print_table, run_seeds
 # the lease, P fails it (transfer_error) and the client is answered within the lease. D still
 # quarantines the hung one-sided (shm) write's pages until --transfer-timeout +
 # --quarantine-grace.
-SHORT_SEEDS = [0, 7, 11, 16, 27, 65]
+SHORT_SEEDS = [16, 27, 65]
 # Every episode runs with the backstops lowered: --transfer-timeout 8 s, so seed 65's leak
 # check is quick, and the router's --request-timeout 30 s, so a regression shows as a late
 # answer. Both stay above every client's bound (chaos.BOUND): an answer that only a backstop
