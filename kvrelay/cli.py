@@ -24,9 +24,10 @@ SECTIONS = {
 # Workers take no API keys: only the router and colocated servers face clients.
 _CLIENT_FACING = {"security.api_key", "security.max_streams_per_key"}
 # `serve` takes --shed-ttft once (the scheduler's) and gives it to its router (`serve_cluster`).
-SKIPPED = {"serve": {"router.prefill", "router.decode", "router.shed_ttft"},
+# It gives each of its workers its own --core-share slot (--share-cores).
+SKIPPED = {"serve": {"router.prefill", "router.decode", "router.shed_ttft", "scheduler.core_share"},
            "router": {"cluster.num_prefill", "cluster.num_decode", "cluster.worker_threads",
-                      "cluster.worker_base_port"},
+                      "cluster.share_cores", "cluster.worker_base_port"},
            "prefill": _CLIENT_FACING, "decode": _CLIENT_FACING}
 
 COMMAND_HELP = {

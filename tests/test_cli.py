@@ -45,7 +45,8 @@ import httpx
 from kvrelay.cli import build_parser, config_from_args
 from kvrelay.core.config import KVRelayConfig, LifecycleConfig, ModelOptions, SchedulerConfig, TransferConfig
 from kvrelay.engine import kernels
-from serving_helpers import assert_no_leak, free_port, free_port_run
+from kvrelay.engine.core_share import host_cores
+from serving_helpers import assert_no_leak, free_port, free_port_run, gauge, metric_samples
 
 
 def parse(*argv: str) -> KVRelayConfig:
@@ -102,6 +103,22 @@ def test_worker_flags_round_trip_through_the_flags_a_cluster_forwards():
     fixed = dataclasses.replace(config, transfer=TransferConfig(transfer_port=7000))
     ports = [parse(*worker_argv(fixed, "decode", 1, i)[3:]).transfer.transfer_port for i in range(3)]
     assert ports == [7000, 7001, 7002]  # one fixed port per local worker, no clash
+    shares = [parse(*worker_argv(config, "decode", 1, i, "/dev/shm/f")[3:]).scheduler.core_share for i in range(3)]
+    assert shares == ["/dev/shm/f:0", "/dev/shm/f:1", "/dev/shm/f:2"]   # one slot per local worker
+    assert parse(*argv[3:]).scheduler.core_share is None
+
+
+@pytest.mark.parametrize("args,words", [
+    (["prefill", "--core-share", "/tmp/x"], "--core-share must be FILE:SLOT with SLOT from 0 to 63"),
+    (["decode", "--core-share", "/tmp/x:64"], "--core-share must be FILE:SLOT with SLOT from 0 to 63"),
+    (["serve", "--core-share", "/tmp/x:0"], "unrecognized arguments: --core-share"),   # serve gives each worker one
+    (["router", "--prefill", "http://a:1", "--decode", "http://a:2", "--no-share-cores"],
+     "unrecognized arguments: --no-share-cores"),
+])
+def test_a_bad_core_share_fails_with_one_clear_line(args, words):
+    proc = run_cli(*args)
+    assert proc.returncode != 0
+    assert words in proc.stderr.strip().splitlines()[-1], proc.stderr
 
 
 @pytest.mark.parametrize("args,words", [
@@ -212,7 +229,8 @@ class Serve:
     as a shell runs a job; stdout and stderr go to files. Its workers take the next ports."""
 
     def __init__(self, tmp_path: Path, model_dir, *flags: str,
-                 kv: tuple[str, ...] = ("--max-kv-tokens", "4096")) -> None:
+                 kv: tuple[str, ...] = ("--max-kv-tokens", "4096"),
+                 threads: tuple[str, ...] = ("--worker-threads", "1")) -> None:
         self.port = free_port_run(3)
         self.url = f"http://127.0.0.1:{self.port}"
         self.out, self.err = tmp_path / "serve.out", tmp_path / "serve.err"
@@ -220,7 +238,7 @@ class Serve:
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvrelay", "serve", "--model", f"random:{model_dir}", "--dtype", "float32",
-                 *kv, "--worker-threads", "1", "--transfer-backend", "shm", "--port", str(self.port), *flags],
+                 *kv, *threads, "--transfer-backend", "shm", "--port", str(self.port), *flags],
                 stdout=out, stderr=err, env=env, start_new_session=True)
         self.seen: set[int] = set()   # every child seen so far
 
@@ -284,11 +302,13 @@ def serve(tmp_path, tiny_llama_dir):
 
 @pytest.mark.parametrize("stop", ["SIGTERM", "Ctrl-C"])
 def test_serve_starts_its_workers_serves_and_a_signal_stops_every_child(serve, stop):
-    """`kvrelay serve` starts a prefill and a decode worker (their own sessions, one torch
-    thread each), waits for them, prints one line with its URL, serves; SIGTERM, or a
+    """`kvrelay serve` starts a prefill and a decode worker (their own sessions; by default
+    sharing the host's cores through one file, a slot each; with --worker-threads, on that
+    many threads each), waits for them, prints one line with its URL, serves; SIGTERM, or a
     terminal's Ctrl-C (SIGINT to serve's process group, which the workers are not in), stops
-    serve with exit code 0 and every worker with it."""
-    s = serve()
+    serve with exit code 0 and every worker with it, and removes the share file."""
+    shared = stop == "SIGTERM"   # one run each way
+    s = serve(threads=() if shared else ("--worker-threads", "1"))
     banner = s.banner()
     kids = s.watch()
     model = httpx.get(f"{s.url}/v1/models", timeout=10).json()["data"][0]["id"]
@@ -297,7 +317,16 @@ def test_serve_starts_its_workers_serves_and_a_signal_stops_every_child(serve, s
     assert sorted(cmdline(pid)[3] for pid in kids) == ["decode", "prefill"], [cmdline(p) for p in kids]
     for pid in kids:
         assert os.getsid(pid) == pid and os.getpgid(pid) != os.getpgid(s.proc.pid)
-        assert environ(pid)["OMP_NUM_THREADS"] == "1"
+        # shared: each may use every core and takes its part before a step
+        assert environ(pid)["OMP_NUM_THREADS"] == (str(host_cores()) if shared else "1")
+    shares = sorted(cmdline(p)[cmdline(p).index("--core-share") + 1].rpartition(":")[::2] for p in kids
+                    if "--core-share" in cmdline(p))
+    if shared:
+        assert len({f for f, _ in shares}) == 1 and [slot for _, slot in shares] == ["0", "1"], shares
+        share_file = Path(shares[0][0])
+        assert share_file.exists()
+    else:
+        assert shares == []
     workers = httpx.get(f"{s.url}/workers", timeout=10).json()["workers"]
     assert sorted((w["role"], w["up"]) for w in workers) == [("decode", True), ("prefill", True)]
     urls = [w["url"] for w in workers]
@@ -313,6 +342,11 @@ def test_serve_starts_its_workers_serves_and_a_signal_stops_every_child(serve, s
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 5 and r.json()["choices"][0]["finish_reason"] == "length"
     assert_no_leak(s.url)   # the router and both workers
+    for url in urls:   # idle and shared, each engine may use every core (once both have stepped idle)
+        want, deadline = [host_cores() if shared else 1], time.monotonic() + 30
+        while gauge(metric_samples(url), "kvrelay_engine_threads") != want and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gauge(metric_samples(url), "kvrelay_engine_threads") == want
 
     if stop == "SIGTERM":
         s.proc.send_signal(signal.SIGTERM)
@@ -321,6 +355,7 @@ def test_serve_starts_its_workers_serves_and_a_signal_stops_every_child(serve, s
     assert s.wait(timeout=60) == 0, s.stderr()
     assert wait_gone(kids, 0) == []   # serve waited for them before it exited
     assert not any(answers(u) for u in urls)
+    assert not shared or not share_file.exists()
     assert s.out.read_text().splitlines() == [banner]
     err = s.stderr()
     assert "Traceback" not in err, err

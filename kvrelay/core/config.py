@@ -67,6 +67,17 @@ class KVCacheConfig:
 QUEUE_ORDERS = ("fcfs", "shortest-first")
 
 
+CORE_SHARE_SLOTS = 64
+
+
+def core_share_spec(spec: str) -> tuple[str, int]:
+    """--core-share FILE:SLOT -> (file, slot); a ValueError saying what to fix otherwise."""
+    path, sep, slot = spec.rpartition(":")
+    _require(bool(sep and path and slot.isdigit() and int(slot) < CORE_SHARE_SLOTS),
+             f"--core-share must be FILE:SLOT with SLOT from 0 to {CORE_SHARE_SLOTS - 1}, not {spec!r}")
+    return path, int(slot)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running_requests: int = _f(64, "most requests in the running batch")
@@ -88,8 +99,15 @@ class SchedulerConfig:
                           "token, predict a time to first token above this many seconds, rather than admit work "
                           "that would miss its target and delay the requests behind it (serve: the router "
                           "does it, from its prefill workers' queues). 0 (the default): never")
+    core_share: str | None = _f(None, "FILE:SLOT: share this host's cores with the other engines posting in FILE "
+                                "(created if missing; give each engine its own SLOT, 0-63): before each step, the "
+                                "engines that have work split the cores evenly and each runs on its part. `kvrelay "
+                                "serve` sets it for its workers (--share-cores). Default: a fixed thread count "
+                                "(OMP_NUM_THREADS)")
 
     def __post_init__(self) -> None:
+        if self.core_share is not None:
+            core_share_spec(self.core_share)
         _require(self.max_running_requests >= 1, "--max-running-requests must be at least 1")
         _require(self.max_prefill_tokens >= 1, "--max-prefill-tokens must be at least 1")
         _require(self.target_tpot >= 0, "--target-tpot must be 0 (off) or a positive number of seconds")
@@ -184,8 +202,11 @@ class RouterConfig:
 class ClusterConfig:
     num_prefill: int = _f(1, "prefill workers `kvrelay serve` starts on this host")
     num_decode: int = _f(1, "decode workers `kvrelay serve` starts on this host")
-    worker_threads: int | None = _f(None, "torch threads per worker (default: the cores divided "
-                                    "among the workers)")
+    worker_threads: int | None = _f(None, "a fixed number of torch threads per worker (default: --share-cores)")
+    share_cores: bool = _f(True, "the workers share this host's cores: before each step, those that have work "
+                           "split the cores evenly, so a prefill worker computes on every core while its decode "
+                           "worker idles (--core-share); --no-share-cores: the cores divided among the workers, "
+                           "fixed")
     startup_timeout: float = _f(600.0, "seconds to wait for every worker to become ready")
     worker_base_port: int | None = _f(None, "HTTP port of prefill worker 0: prefill worker i listens on "
                                       "base + i, decode worker j on base + --num-prefill + j "

@@ -16,6 +16,7 @@ from kvrelay.core.clock import Clock, MonotonicClock
 from kvrelay.core.config import KVCacheConfig, SchedulerConfig
 from kvrelay.core.kvlayout import KVLayout
 from kvrelay.engine.allocator import PageAllocator
+from kvrelay.engine.core_share import CoreShare
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.grammar import GrammarCompiler
 from kvrelay.engine.kv_pool import kv_pool_for
@@ -79,6 +80,9 @@ class EngineCore:
         self.prompt_tokens_done = 0    # prompts prefilled here, once per request (metrics)
         self.tokens_sampled = 0        # tokens sampled here (metrics)
         self._last_token_at: dict[str, float] = {}   # rid -> when its latest token went out (CLIENT_TIMINGS)
+        # --core-share: this engine's part of the host's cores, set before each step (built
+        # on the engine thread, the one whose OpenMP thread count torch.set_num_threads sets)
+        self.core_share = CoreShare.from_spec(sched_cfg.core_share) if sched_cfg.core_share else None
 
     @property
     def metrics(self) -> ServingMetrics | None:
@@ -236,6 +240,8 @@ class EngineCore:
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> None:
         batch = self.scheduler.schedule()
+        if self.core_share is not None:
+            self._take_cores(not batch.empty)
         if batch.empty:
             return
         started = self.clock.now()
@@ -254,6 +260,15 @@ class EngineCore:
         if tokens:
             self.last_prefill = (tokens, seconds)
         self.scheduler.costs.observe(len(batch.decode), tokens, seconds)
+
+    def _take_cores(self, busy: bool) -> None:
+        """Post whether this step has work (and its prompt tokens still to compute), then
+        run it on this engine's part of the host's cores."""
+        sched = self.scheduler
+        queued = sum(max(0, r.prompt_len - r.num_computed) for r in (*sched.waiting, *sched.running)) if busy else 0
+        n = self.core_share.threads(busy, queued)
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
 
     def _run_prefill(self, items: list[PrefillItem], decodes: list[Req]) -> None:
         """Prompt chunks, and in a mixed step the running batch's decodes (rows first)."""
@@ -387,7 +402,8 @@ class EngineCore:
 
     def engine_stats(self, running: int, waiting: int) -> EngineStats:
         return EngineStats(running, waiting, self.allocator.num_free, self.allocator.num_total,
-                           self.scheduler.num_preemptions, self.prompt_tokens_done, self.tokens_sampled)
+                           self.scheduler.num_preemptions, self.prompt_tokens_done, self.tokens_sampled,
+                           torch.get_num_threads())
 
     def debug_rows(self) -> list[dict]:
         now = self.clock.now()

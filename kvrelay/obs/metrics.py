@@ -93,6 +93,7 @@ class EngineStats:
     preemptions: int = 0        # since start
     prompt_tokens: int = 0      # prompt tokens this engine prefilled, once per request
     generation_tokens: int = 0  # tokens this engine sampled (on P: each request's first)
+    threads: int = 0            # threads its forward passes run on now (with --core-share: its part)
 
 
 @dataclass
@@ -160,6 +161,8 @@ class _SnapshotCollector:
         yield _gauge("kvrelay_kv_pages_capacity", "KV pages in the pool", labels, [(own, e.kv_pages_capacity)])
         yield _counter("kvrelay_prompt_tokens", "Prompt tokens this engine prefilled", labels, own, e.prompt_tokens)
         yield _counter("kvrelay_generation_tokens", "Tokens this engine sampled", labels, own, e.generation_tokens)
+        yield _gauge("kvrelay_engine_threads", "Threads this engine's forward passes run on (with --core-share, "
+                     "its part of the host's cores, set before each step)", labels, [(own, e.threads)])
         yield _counter("kvrelay_preemptions", "Requests preempted (pages freed, recomputed later)", labels, own,
                        e.preemptions)
         vl = ["model_name"]

@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import dataclasses
 import json
@@ -24,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -34,6 +36,7 @@ from kvrelay.core.clock import MonotonicClock
 from kvrelay.core.config import KVRelayConfig, SecurityConfig, to_cli_args
 from kvrelay.core.keys import ENV as KEY_ENV
 from kvrelay.core.keys import ClusterKey
+from kvrelay.engine.core_share import host_cores
 from kvrelay.obs.logs import json_line, setup_logging
 from kvrelay.server.errors import StartupError
 from kvrelay.server.pairing import WorkerTable
@@ -49,6 +52,7 @@ PROGRESS_EVERY = 10.0   # seconds between "still waiting" lines while workers lo
 # Config sections forwarded to every worker as flags (server: with the worker's own port).
 WORKER_SECTIONS = ("model", "kv", "scheduler", "lifecycle", "transfer")
 PR_SET_PDEATHSIG = 1
+SHARE_DIR = "/dev/shm"   # the --share-cores file: memory, not disk, where it exists
 
 _stderr_lock = threading.Lock()
 log = logging.getLogger("kvrelay.serve")
@@ -69,15 +73,19 @@ def _die_with_parent():
     return preexec
 
 
-def worker_argv(config: KVRelayConfig, role: str, port: int, ordinal: int = 0) -> list[str]:
+def worker_argv(config: KVRelayConfig, role: str, port: int, ordinal: int = 0,
+                core_share: str | None = None) -> list[str]:
     """The command line of the `ordinal`-th worker (0-based over all of them). A fixed
-    --transfer-port is the first worker's; the others take the ports after it."""
+    --transfer-port is the first worker's; the others take the ports after it. With
+    `core_share` (a file), the worker takes slot `ordinal` of it."""
     args = [sys.executable, "-m", "kvrelay", role]
-    transfer = config.transfer
-    if transfer.transfer_port:
-        transfer = dataclasses.replace(transfer, transfer_port=transfer.transfer_port + ordinal)
+    own = {"transfer": config.transfer, "scheduler": config.scheduler}
+    if config.transfer.transfer_port:
+        own["transfer"] = dataclasses.replace(config.transfer, transfer_port=config.transfer.transfer_port + ordinal)
+    if core_share:
+        own["scheduler"] = dataclasses.replace(config.scheduler, core_share=f"{core_share}:{ordinal}")
     for section in WORKER_SECTIONS:
-        args += to_cli_args(transfer if section == "transfer" else getattr(config, section))
+        args += to_cli_args(own.get(section) or getattr(config, section))
     args += to_cli_args(worker_security(config.security))
     return args + to_cli_args(dataclasses.replace(config.server, host=WORKER_HOST, port=port))
 
@@ -113,16 +121,16 @@ class WorkerProcess:
     the last lines it printed."""
 
     def __init__(self, role: str, index: int, ordinal: int, port: int, config: KVRelayConfig, threads: int,
-                 key: ClusterKey) -> None:
+                 key: ClusterKey, core_share: str | None = None) -> None:
         self.role, self.index = role, index
         self.port = port
         self.url = f"http://{WORKER_HOST}:{self.port}"
         self.json_logs = config.server.log_format == "json"
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         env = worker_env(key, config.security, threads)
-        self.proc = subprocess.Popen(worker_argv(config, role, self.port, ordinal), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, preexec_fn=_die_with_parent())
+        argv = worker_argv(config, role, self.port, ordinal, core_share)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True, preexec_fn=_die_with_parent())
         self._reader = threading.Thread(target=self._forward, name=f"{role}-{index}-output", daemon=True)
 
     @property
@@ -180,15 +188,28 @@ class LocalCluster:
     def __init__(self, config: KVRelayConfig, key: ClusterKey) -> None:
         self.config, self.key = config, key
         self.workers: list[WorkerProcess] = []
+        self.core_share: str | None = None   # the share file (--share-cores), removed in stop()
 
     def start(self, ports: list[int]) -> None:
-        """Start one child per port of `worker_ports`."""
+        """Start one child per port of `worker_ports`. Threads: --worker-threads if given;
+        else with --share-cores every worker may use every core (each takes its part
+        before each step, `engine.core_share`); else the cores divided among them."""
         cl = self.config.cluster
-        threads = cl.worker_threads or max(1, (os.cpu_count() or 1) // (cl.num_prefill + cl.num_decode))
+        cores = host_cores()
+        if cl.worker_threads:
+            threads = cl.worker_threads
+        elif cl.share_cores:
+            threads = cores
+            fd, self.core_share = tempfile.mkstemp(prefix="kvrelay-cores-", dir=SHARE_DIR if os.path.isdir(SHARE_DIR)
+                                                   else None)
+            os.close(fd)
+        else:
+            threads = max(1, cores // (cl.num_prefill + cl.num_decode))
         for role, count in (("prefill", cl.num_prefill), ("decode", cl.num_decode)):
             for i in range(count):
                 n = len(self.workers)
-                self.workers.append(WorkerProcess(role, i, n, ports[n], self.config, threads, self.key))
+                self.workers.append(WorkerProcess(role, i, n, ports[n], self.config, threads, self.key,
+                                                  self.core_share))
         # Readers start after every fork: forking while threads run risks a child inheriting a held lock.
         for w in self.workers:
             w.start_forwarding()
@@ -239,6 +260,9 @@ class LocalCluster:
         finally:
             for w in self.workers:
                 w.kill()
+            if self.core_share:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.core_share)
 
 
 def _healthy(http: httpx.Client, url: str) -> bool:

@@ -1,0 +1,131 @@
+"""The cores of one host, shared by the engines on it (`--core-share FILE:SLOT`).
+
+`kvrelay serve` runs a prefill and a decode worker on one host. A fixed split (cores /
+workers) leaves the prefill worker on one core of two while the decode worker idles, and
+the other way round. With a share, each engine posts in FILE, before every step, whether
+it has work, and runs the step on its part of the host's cores: the cores split evenly
+among the engines that have work; the cores left over (fewer than those engines) go to the
+ones with the most queued compute (prompt tokens not yet computed, then slot order). An
+engine with no work runs on all the cores the others leave: it has nothing to run, and
+its next step with work posts first.
+
+Invariants:
+- Every engine runs on at least one thread, and the engines that posted work run on at most
+  `cores` threads together, counted from what each read before its own step; an engine in
+  the middle of a step keeps its count until the step ends (at most one step late).
+- A slot counts only while its process lives and runs: a dead, stopped (SIGSTOP, a
+  debugger) or silent-for-STALE-seconds engine holds no cores.
+- The file is advisory: a torn or stale read changes a thread count, never a result.
+  Nothing here runs torch; `CoreShare.threads()` returns the count, the engine thread sets it.
+
+File layout: SLOTS slots of four float64 values: pid, has work (0/1), queued compute
+(prompt tokens not yet computed), posted at (time.monotonic(), one clock for every process
+of the host).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from kvrelay.core.config import CORE_SHARE_SLOTS, core_share_spec
+
+SLOTS = CORE_SHARE_SLOTS
+FIELDS = 4
+SLOT_BYTES = FIELDS * 8
+STALE = 60.0   # seconds: a post older than this is an engine that no longer steps (no step lasts this long)
+
+
+@dataclass(frozen=True)
+class Post:
+    busy: bool
+    queued: float = 0.0   # prompt tokens not yet computed: the remainder's tie-break
+
+
+def share(me: int, posts: dict[int, Post], cores: int) -> int:
+    """Threads for slot `me` (which has posted) out of `cores`, given every live slot's post."""
+    busy = sorted((s for s, p in posts.items() if p.busy), key=lambda s: (-posts[s].queued, s))
+    if me not in busy:
+        return max(1, cores - len(busy))
+    base, extra = divmod(cores, len(busy))
+    return max(1, base + (1 if busy.index(me) < extra else 0))
+
+
+def host_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _runs(pid: int) -> bool:
+    """The process exists and is not stopped (or traced)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"T", b"t", b"Z", b"X")
+
+
+class CoreShare:
+    """One engine's slot in a share file (created, zeroed, on first use)."""
+
+    def __init__(self, path: str, slot: int, cores: int | None = None, *,
+                 clock: Callable[[], float] = time.monotonic, pid: int | None = None,
+                 alive: Callable[[int], bool] = _runs) -> None:
+        if not 0 <= slot < SLOTS:
+            raise ValueError(f"core share slot {slot} is outside 0..{SLOTS - 1}")
+        self.path, self.slot = path, slot
+        self.cores = cores or host_cores()
+        self._clock, self._pid, self._alive = clock, pid or os.getpid(), alive
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < SLOTS * SLOT_BYTES:
+                os.ftruncate(fd, SLOTS * SLOT_BYTES)   # zero-filled: every slot empty
+            self._map = mmap.mmap(fd, SLOTS * SLOT_BYTES)
+        finally:
+            os.close(fd)
+        self._table = memoryview(self._map).cast("d")
+
+    @classmethod
+    def from_spec(cls, spec: str) -> "CoreShare":
+        path, slot = core_share_spec(spec)
+        return cls(path, slot)
+
+    def post(self, busy: bool, queued: float = 0.0) -> None:
+        base = self.slot * FIELDS
+        self._table[base + 3] = self._clock()
+        self._table[base + 1] = float(busy)
+        self._table[base + 2] = float(queued)
+        self._table[base] = float(self._pid)
+
+    def posts(self) -> dict[int, Post]:
+        """Every live slot's post (this one's as posted)."""
+        now, out = self._clock(), {}
+        for s in range(SLOTS):
+            pid, busy, queued, at = self._table[s * FIELDS:(s + 1) * FIELDS]
+            if pid <= 0:
+                continue
+            if s != self.slot and (now - at > STALE or not self._alive(int(pid))):
+                continue
+            out[s] = Post(busy > 0.5, queued)
+        return out
+
+    def threads(self, busy: bool, queued: float = 0.0) -> int:
+        """Post, then the threads this engine's next step runs on."""
+        self.post(busy, queued)
+        return share(self.slot, self.posts(), self.cores)
+
+    def leave(self) -> None:
+        """Empty this slot (the engine stops)."""
+        self._table[self.slot * FIELDS] = 0.0
+
+    def close(self) -> None:
+        self.leave()
+        self._table.release()
+        self._map.close()
+

@@ -1,0 +1,122 @@
+"""--core-share: the engines of one host split its cores among those that have work."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvrelay.core.config import KVCacheConfig, SchedulerConfig
+from kvrelay.engine.core import EngineCore
+from kvrelay.engine.core_share import STALE, CoreShare, Post, _runs, host_cores, share
+from kvrelay.engine.types import GenerateRequest, SamplingParams
+
+
+def test_the_engines_with_work_split_the_cores_evenly_and_the_rest_goes_to_the_most_queued():
+    assert share(0, {0: Post(True, 10)}, 8) == 8                       # alone with work: every core
+    assert share(0, {0: Post(True, 10), 1: Post(False)}, 8) == 8       # the other has none
+    assert [share(s, {0: Post(True, 5), 1: Post(True, 900)}, 2) for s in (0, 1)] == [1, 1]
+    # 3 cores, 2 with work: the one with more prompt tokens to compute gets the spare core
+    assert [share(s, {0: Post(True, 5), 1: Post(True, 900)}, 3) for s in (0, 1)] == [1, 2]
+    assert [share(s, {0: Post(True, 0), 1: Post(True, 0)}, 3) for s in (0, 1)] == [2, 1]   # a tie: slot order
+    assert share(1, {0: Post(True, 0), 1: Post(False)}, 4) == 3        # idle: what the others leave
+    assert share(2, {0: Post(True), 1: Post(True), 2: Post(True)}, 2) == 1   # more engines than cores: one each
+
+
+def test_the_threads_of_the_engines_with_work_never_exceed_the_cores():
+    rng = random.Random(7)
+    for _ in range(2000):
+        cores = rng.randint(1, 64)
+        slots = rng.sample(range(64), rng.randint(1, 8))
+        posts = {s: Post(rng.random() < 0.6, rng.choice([0, 1, 50, 4096])) for s in slots}
+        threads = {s: share(s, posts, cores) for s in posts}
+        busy = [s for s in posts if posts[s].busy]
+        assert all(t >= 1 for t in threads.values())
+        if busy and len(busy) <= cores:
+            assert sum(threads[s] for s in busy) == cores   # every core used, none twice
+        elif busy:
+            assert all(threads[s] == 1 for s in busy)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_share_file_counts_live_running_engines_only(tmp_path):
+    path, clock, dead = str(tmp_path / "cores"), Clock(), set()
+    a = CoreShare(path, 0, cores=2, clock=clock, pid=1001, alive=lambda pid: pid not in dead)
+    b = CoreShare(path, 5, cores=2, clock=clock, pid=1002, alive=lambda pid: pid not in dead)
+    assert a.threads(True) == 2            # b never posted
+    assert b.threads(True) == 1 and a.threads(True) == 1
+    assert b.threads(False) == 1 and a.threads(True) == 2
+    b.post(True)
+    dead.add(1002)                          # b's process died (or was stopped) with work posted
+    assert a.threads(True) == 2
+    dead.clear()
+    assert a.threads(True) == 1
+    clock.t += STALE + 1                    # b posted nothing for longer than any step takes
+    assert a.threads(True) == 2
+    b.leave()
+    clock.t = 100.0
+    assert a.threads(True) == 2            # an emptied slot counts for nothing
+    a.close()
+    b.close()
+    with pytest.raises(ValueError, match="slot 64"):
+        CoreShare(path, 64)
+
+
+def test_a_stopped_or_reaped_process_does_not_run():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert _runs(child.pid)
+        os.kill(child.pid, signal.SIGSTOP)
+        os.waitpid(child.pid, os.WUNTRACED)
+        assert not _runs(child.pid)
+        os.kill(child.pid, signal.SIGCONT)
+        assert _runs(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert not _runs(child.pid)
+
+
+@pytest.mark.parametrize("spec", ["nofile", "/x:", ":3", "/x:64", "/x:-1", "/x:one"])
+def test_a_bad_spec_names_the_flag(spec):
+    with pytest.raises(ValueError, match="--core-share must be FILE:SLOT"):
+        SchedulerConfig(core_share=spec)
+
+
+def test_an_engine_runs_each_step_on_its_part_of_the_cores(tiny_loaded, tmp_path):
+    """An engine at slot 0; another (this process, running) at slot 1. While the other has
+    work, a step with work runs on the cores it leaves; once it has none, on all of them."""
+    cores, before = host_cores(), torch.get_num_threads()
+    path = str(tmp_path / "cores")
+    other = CoreShare(path, 1)
+    core = EngineCore(tiny_loaded, KVCacheConfig(page_size=16, max_kv_tokens=512),
+                      SchedulerConfig(core_share=f"{path}:0"))
+    outs = []
+    try:
+        other.post(True, 0)
+        core.add(GenerateRequest("r", tuple(range(3, 40)), SamplingParams(max_tokens=3, temperature=0.0)), outs.append)
+        core.step()   # the prompt: more queued than the other, so the spare core (if odd) is this one's
+        assert torch.get_num_threads() == cores // 2 + cores % 2
+        other.post(False)
+        core.step()
+        assert torch.get_num_threads() == cores
+        assert core.engine_stats(0, 0).threads == cores
+        while core.has_work:
+            core.step()
+        assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 3
+        core.check_idle()
+    finally:
+        torch.set_num_threads(before)
+        other.close()
+        core.core_share.close()
