@@ -6,6 +6,7 @@ import random
 import signal
 import subprocess
 import sys
+from array import array
 
 import pytest
 import torch
@@ -67,6 +68,9 @@ def test_a_share_file_counts_live_running_engines_only(tmp_path):
     b.leave()
     clock.t = 100.0
     assert a.threads(True) == 2            # an emptied slot counts for nothing
+    for garbage in ([float("nan")] * 4, [1e300, 1, 0, 100], [1003, 1, float("inf"), 100], [1003, 1, 0, float("nan")]):
+        b._table[5 * 4:6 * 4] = array("d", garbage)   # not written by an engine: counts for nothing
+        assert a.threads(True) == 2
     a.close()
     b.close()
     with pytest.raises(ValueError, match="slot 64"):

@@ -35,6 +35,7 @@ from kvrelay.core.config import CORE_SHARE_SLOTS, core_share_spec
 SLOTS = CORE_SHARE_SLOTS
 FIELDS = 4
 SLOT_BYTES = FIELDS * 8
+MAX_PID = 2 ** 22   # Linux's pid_max limit
 STALE = 60.0   # seconds: a post older than this is an engine that no longer steps (no step lasts this long)
 
 
@@ -108,8 +109,8 @@ class CoreShare:
         now, out = self._clock(), {}
         for s in range(SLOTS):
             pid, busy, queued, at = self._table[s * FIELDS:(s + 1) * FIELDS]
-            if pid <= 0:
-                continue
+            if not (0 < pid <= MAX_PID and 0 <= queued < 1e18 and abs(at) < 1e18):   # NaN fails every test
+                continue   # empty, or not written by an engine: counts for nothing
             if s != self.slot and (now - at > STALE or not self._alive(int(pid))):
                 continue
             out[s] = Post(busy > 0.5, queued)
