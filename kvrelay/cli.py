@@ -158,6 +158,24 @@ def fail(message: str) -> typing.NoReturn:
     raise SystemExit(1)
 
 
+# What `serve --mode colocated` reads; a flag of any other section would be accepted and ignored.
+COLOCATED_SECTIONS = ("model", "kv", "scheduler", "server", "security")
+
+
+def check_colocated_flags(config: KVRelayConfig) -> None:
+    """`serve --mode colocated` refuses the flags of disaggregated serving (router, workers,
+    transfer, lifecycle), naming them: one process has none of those to apply them to."""
+    from kvrelay.core.config import to_cli_args
+    from kvrelay.server.errors import StartupError
+
+    given = [a for f in dataclasses.fields(KVRelayConfig) if f.name not in COLOCATED_SECTIONS
+             for a in to_cli_args(getattr(config, f.name)) if a.startswith("--")]
+    if given:
+        raise StartupError(f"{', '.join(given)}: only for disaggregated serving; --mode colocated has no router, "
+                           f"workers or KV transfer (drop {'it' if len(given) == 1 else 'them'}, or serve "
+                           f"disaggregated)")
+
+
 def preflight(command: str, mode: str | None, config: KVRelayConfig) -> None:
     """What can fail without a model, checked before anything slow starts (torch, the
     tokenizer, workers): the nixl package, a worker's listening rules, then the port
@@ -173,9 +191,8 @@ def preflight(command: str, mode: str | None, config: KVRelayConfig) -> None:
     if command in ("prefill", "decode") and config.scheduler.shed_ttft > 0:
         raise StartupError("--shed-ttft sheds before a request is paired: give it to the router (kvrelay router "
                            "--shed-ttft, or kvrelay serve --shed-ttft), not to a worker")
-    if command == "serve" and mode == "colocated" and config.router.decode_prefill_ttft > 0:
-        raise StartupError("--decode-prefill-ttft moves prefills between disaggregated workers; "
-                           "--mode colocated has none (drop the flag, or serve disaggregated)")
+    if command == "serve" and mode == "colocated":
+        check_colocated_flags(config)
     if runs_workers and transfer.transfer_backend == "nixl" and importlib.util.find_spec("nixl") is None:
         raise StartupError(NIXL_HINT)
     if command in ("prefill", "decode"):

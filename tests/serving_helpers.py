@@ -87,7 +87,8 @@ def running_server(*args: str, ready_timeout: float = 180.0):
     with tempfile.TemporaryDirectory(prefix="kvrelay-serve-") as tmp:
         log = Path(tmp) / "serve.log"
         with open(log, "w") as out:
-            base = () if "--worker-base-port" in args else ("--worker-base-port", str(free_port_run(4)))
+            colocated = "colocated" in args   # one process: no workers, and the flag is refused
+            base = () if "--worker-base-port" in args or colocated else ("--worker-base-port", str(free_port_run(4)))
             proc = subprocess.Popen([sys.executable, "-m", "kvrelay", "serve", "--port", str(port), *base, *args],
                                     stdout=out, stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"

@@ -136,7 +136,12 @@ def test_a_bad_core_share_fails_with_one_clear_line(args, words):
     (["router", "--port", "0", "--prefill", "http://a:1", "--decode", "http://a:2", "--shed-ttft", "-1"],
      "--shed-ttft must be 0 (off) or a positive"),
     (["serve", "--queue-order", "shortest-first", "--max-queue-wait", "0"], "--max-queue-wait must be a positive"),
-    (["serve", "--mode", "colocated", "--port", "0", "--decode-prefill-ttft", "1"], "--mode colocated has none"),
+    (["serve", "--mode", "colocated", "--port", "0", "--decode-prefill-ttft", "1"],
+     "--decode-prefill-ttft: only for disaggregated serving; --mode colocated has no router, workers or KV "
+     "transfer (drop it"),
+    (["serve", "--mode", "colocated", "--port", "0", "--num-decode", "2", "--no-share-cores",
+      "--transfer-backend", "tcp", "--heartbeat-interval", "2"],
+     "--heartbeat-interval, --transfer-backend, --num-decode, --no-share-cores: only for disaggregated serving"),
     (["router", "--port", "0", "--prefill", "http://a:1", "--decode", "http://a:2", "--decode-prefill-ttft", "-1"],
      "--decode-prefill-ttft must be 0 (off) or a positive"),
 ])
