@@ -33,6 +33,8 @@ from pathlib import Path
 
 import httpx
 
+from kvrelay.engine.core_share import host_cores
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from chaos_load import ALL_JOBS, JOBS, LONG_JOBS, Call, run_all, run_plain  # noqa: E402
@@ -278,9 +280,10 @@ class Harness:
     """One cluster of a configuration, its references, and the episodes run on it."""
 
     def __init__(self, model_dir: Path, num_prefill: int, num_decode: int, router_flags: list[str] = (),
-                 worker_flags: list[str] = ()) -> None:
+                 worker_flags: list[str] = (), share_cores: bool = False) -> None:
         self.model_dir, self.num_prefill, self.num_decode = model_dir, num_prefill, num_decode
         self.router_flags, self.worker_flags = list(router_flags), list(worker_flags)
+        self.share_cores = share_cores
         self.cluster: Cluster | None = None
         self.refs: dict[int, str] = {}
 
@@ -292,8 +295,11 @@ class Harness:
         c = Cluster(["--model", f"random:{self.model_dir}"], ["--dtype", "float32", "--max-kv-tokens", "16384"],
                     num_prefill=self.num_prefill, num_decode=self.num_decode, keyed=True)
         c.decode[-1].argv += ["--max-kv-tokens", SMALL_POOL]   # argparse: the last value wins
-        for p in c.workers:
+        for i, p in enumerate(c.workers):
             p.argv += ["--transfer-timeout", str(TRANSFER_TIMEOUT), *self.worker_flags]
+            if self.share_cores:   # as `kvrelay serve` runs them: every core, each taking its part per step
+                p.argv += ["--core-share", f"{c.dir}/cores:{i}"]
+                p.env["OMP_NUM_THREADS"] = str(host_cores())
         c.router.argv += ["--request-timeout", "60", *self.router_flags]
         self.cluster = c.start()
         self.refs = self.references()
@@ -367,11 +373,13 @@ class Options:
     router_flags: tuple[str, ...] = ()  # extra router flags (last wins), e.g. to try other leases
     worker_flags: tuple[str, ...] = ()  # extra flags of every worker (last wins), e.g. --transfer-timeout
     verbose: bool = False               # print every client of every episode
+    share_cores: bool = False           # the workers share the host's cores (--core-share), as under serve
 
     def replay(self, result: dict) -> str:
         p, d = result["config"].rstrip("D").split("P+")
         flags = f" --router-flags='{' '.join(self.router_flags)}'" if self.router_flags else ""
         flags += f" --worker-flags='{' '.join(self.worker_flags)}'" if self.worker_flags else ""
+        flags += " --share-cores" if self.share_cores else ""
         return (f".venv/bin/python tests/chaos.py --seeds {result['seed']} --prefill {p} --decode {d}"
                 + (" --short" if self.short else "") + flags)
 
@@ -384,7 +392,8 @@ def run_seeds(seeds: list[int], configs: dict[int, tuple[int, int]], opts: Optio
     model_dir = model_dir or tiny_model_dir()
     results = []
     for config in dict.fromkeys(configs[s] for s in seeds):
-        h = Harness(model_dir, *config, router_flags=opts.router_flags, worker_flags=opts.worker_flags)
+        h = Harness(model_dir, *config, router_flags=opts.router_flags, worker_flags=opts.worker_flags,
+                    share_cores=opts.share_cores)
         try:
             for seed in (s for s in seeds if configs[s] == config):
                 if h.cluster is None:
@@ -450,11 +459,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--short", action="store_true", help="smaller episodes: fewer requests, one fault")
     ap.add_argument("--router-flags", default="", help="extra router flags, e.g. '--health-misses 100'")
     ap.add_argument("--worker-flags", default="", help="extra worker flags, e.g. '--transfer-timeout 8'")
+    ap.add_argument("--share-cores", action="store_true",
+                    help="the workers share the host's cores (--core-share), as `kvrelay serve` runs them")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every client of every episode")
     args = ap.parse_args(argv)
     seeds = parse_seeds(args.seeds)
     configs = {s: (args.prefill or 1 + s % 2, args.decode) for s in seeds}
-    opts = Options(args.short, tuple(args.router_flags.split()), tuple(args.worker_flags.split()), args.verbose)
+    opts = Options(args.short, tuple(args.router_flags.split()), tuple(args.worker_flags.split()), args.verbose,
+                   args.share_cores)
     t = time.monotonic()
     results = run_seeds(seeds, configs, opts)
     print_table(results, time.monotonic() - t, opts)

@@ -46,8 +46,8 @@ class Proc:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "Proc":
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
-                   UCX_MODULES="^ib", **self.env)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+               "UCX_MODULES": "^ib", **self.env}   # self.env last: it may set OMP_NUM_THREADS
         with open(self.log, "ab") as out:
             self.popen = subprocess.Popen([sys.executable, "-m", "kvrelay", *self.argv, "--port", str(self.port)],
                                           stdout=out, stderr=subprocess.STDOUT, env=env)

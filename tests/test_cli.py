@@ -103,6 +103,13 @@ def test_worker_flags_round_trip_through_the_flags_a_cluster_forwards():
     fixed = dataclasses.replace(config, transfer=TransferConfig(transfer_port=7000))
     ports = [parse(*worker_argv(fixed, "decode", 1, i)[3:]).transfer.transfer_port for i in range(3)]
     assert ports == [7000, 7001, 7002]  # one fixed port per local worker, no clash
+    from kvrelay.server.cluster import worker_threads
+    cl = parse("serve").cluster
+    assert worker_threads(cl, 2) == (2, True) and worker_threads(cl, 16) == (16, True)   # 1P+1D
+    more = parse("serve", "--num-prefill", "2", "--num-decode", "2").cluster
+    assert worker_threads(more, 2) == (1, False) and worker_threads(more, 8) == (8, True)   # more workers than cores
+    assert worker_threads(parse("serve", "--worker-threads", "3").cluster, 2) == (3, False)
+    assert worker_threads(parse("serve", "--no-share-cores").cluster, 8) == (4, False)
     shares = [parse(*worker_argv(config, "decode", 1, i, "/dev/shm/f")[3:]).scheduler.core_share for i in range(3)]
     assert shares == ["/dev/shm/f:0", "/dev/shm/f:1", "/dev/shm/f:2"]   # one slot per local worker
     assert parse(*argv[3:]).scheduler.core_share is None
