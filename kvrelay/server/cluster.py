@@ -186,8 +186,8 @@ def worker_threads(cl: ClusterConfig, cores: int) -> tuple[int, bool]:
     """(threads each worker starts with, whether they share the cores). --worker-threads
     fixes the count. --share-cores applies while the workers are no more than the cores:
     beyond that each already gets one thread, and a worker taking two while another starts
-    a step only oversubscribes the cores (measured: a saturated 2P+2D cluster on 2 cores
-    answered a request in 6.4-7.7 s with sharing against 2.1-2.8 s without)."""
+    a step can only oversubscribe the cores (chaos, a saturated 2P+2D cluster on 2 cores:
+    a request answered in 6.4, 2.1 and 7.7 s sharing, 2.8, 5.6, 1.7 and 5.4 s without)."""
     workers = cl.num_prefill + cl.num_decode
     if cl.worker_threads:
         return cl.worker_threads, False
