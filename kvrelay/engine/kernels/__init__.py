@@ -6,6 +6,7 @@ active one lacks that kernel, and the model uses torch ops instead.
 from __future__ import annotations
 
 import ctypes
+from functools import lru_cache
 
 import torch
 
@@ -194,6 +195,13 @@ class Elementwise:
         out = gate_up.new_empty(rows, inter)
         self._silu[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, inter)
         return out
+
+
+@lru_cache(maxsize=1)
+def amx_bf16() -> bool:
+    """The CPU has AMX tiles for bfloat16 (cpuid amx_bf16: Sapphire Rapids and later), on
+    which oneDNN's matmuls and torch's flash attention run bfloat16."""
+    return "amx_bf16" in cpu_features()
 
 
 @per_isa

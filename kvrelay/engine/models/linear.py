@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrelay.engine.kernels import cpu_features, elementwise, gemm
+from kvrelay.engine.kernels import amx_bf16, elementwise, gemm
 from kvrelay.engine.kernels.wide import wide_gemm
 from kvrelay.engine.models.quant_linear import QuantWeight, quant_forward, quantize
 
@@ -101,14 +101,9 @@ def _pack_float32(w: torch.Tensor, bias: torch.Tensor | None, as_bf16: bool) -> 
     return PackedWeight(onednn, native, bias32, w.shape[0], wide=True)
 
 
-@lru_cache(maxsize=1)
-def _amx() -> bool:
-    return "amx_bf16" in cpu_features()
-
-
 def native_max_rows(packed: PackedWeight) -> int:
     """Most rows the native kernel takes for `packed`; oneDNN takes more (module docstring)."""
-    if packed.onednn is not None and not packed.wide and _amx():
+    if packed.onednn is not None and not packed.wide and amx_bf16():
         return AMX_NATIVE_MAX_ROWS
     return GEMM_MAX_ROWS
 
