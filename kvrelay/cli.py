@@ -160,16 +160,21 @@ def fail(message: str) -> typing.NoReturn:
 
 # What `serve --mode colocated` reads; a flag of any other section would be accepted and ignored.
 COLOCATED_SECTIONS = ("model", "kv", "scheduler", "server", "security")
+# Security fields that only a cluster's processes read: the shared key signs control
+# messages between router and workers, the CA bundle is for https:// worker URLs.
+CLUSTER_SECURITY = ("cluster_key_file", "ssl_ca_certs", "replay_window")
 
 
 def check_colocated_flags(config: KVRelayConfig) -> None:
     """`serve --mode colocated` refuses the flags of disaggregated serving (router, workers,
-    transfer, lifecycle), naming them: one process has none of those to apply them to."""
+    transfer, lifecycle, and the cluster's key and CA bundle), naming them: one process has
+    none of those to apply them to."""
     from kvrelay.core.config import to_cli_args
     from kvrelay.server.errors import StartupError
 
     given = [a for f in dataclasses.fields(KVRelayConfig) if f.name not in COLOCATED_SECTIONS
              for a in to_cli_args(getattr(config, f.name)) if a.startswith("--")]
+    given += [a for a in to_cli_args(config.security) if a[2:].replace("-", "_") in CLUSTER_SECURITY]
     if given:
         raise StartupError(f"{', '.join(given)}: only for disaggregated serving; --mode colocated has no router, "
                            f"workers or KV transfer (drop {'it' if len(given) == 1 else 'them'}, or serve "

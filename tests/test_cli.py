@@ -149,6 +149,9 @@ def test_a_bad_core_share_fails_with_one_clear_line(args, words):
     (["serve", "--mode", "colocated", "--port", "0", "--num-decode", "2", "--no-share-cores",
       "--transfer-backend", "tcp", "--heartbeat-interval", "2"],
      "--heartbeat-interval, --transfer-backend, --num-decode, --no-share-cores: only for disaggregated serving"),
+    (["serve", "--mode", "colocated", "--port", "0", "--cluster-key-file", "k", "--ssl-ca-certs", "ca.pem",
+      "--replay-window", "5", "--api-key", "sk-1"],
+     "--cluster-key-file, --ssl-ca-certs, --replay-window: only for disaggregated serving"),
     (["router", "--port", "0", "--prefill", "http://a:1", "--decode", "http://a:2", "--decode-prefill-ttft", "-1"],
      "--decode-prefill-ttft must be 0 (off) or a positive"),
 ])

@@ -53,9 +53,10 @@ class PagedDecode:
 class PagedPrefill:
     """`__call__` computes one layer's attention for a prefill pass (every query row sees
     the keys up to its own position, cached prefix included) from the pool, in place of
-    gathering the pages and torch's flash kernel (~3x faster here). bfloat16 through
+    gathering the pages and torch's flash kernel (~3x faster on a Zen 4). bfloat16 through
     vdpbf16ps on CPUs with AVX-512 BF16; float32, and bfloat16 widened to float32, on
-    every variant (AVX-512F or AVX2, prefill_attention_f32.h)."""
+    every variant (AVX-512F or AVX2, prefill_attention_f32.h). With AMX, torch's flash
+    kernel runs bfloat16 on the tiles and is faster (`models.layers.prefill_on_tiles`)."""
 
     head_dims = (64, 128)
     max_group = 16
