@@ -152,6 +152,46 @@ def test_chunked_prefill_and_mixed_batch(tiny_pair):
         sess.close()
 
 
+def test_one_chunk_after_its_prefix_matches_transformers(tiny_pair, monkeypatch):
+    """A prompt prefilled one sequence at a time in three chunks: each later chunk runs as
+    two flash passes (the prefix, then its own keys causally) merged by log-sum-exp."""
+    from kvrelay.engine.models.layers import PagedAttention
+
+    calls = []
+    real = PagedAttention._prefix_then_chunk
+    monkeypatch.setattr(PagedAttention, "_prefix_then_chunk", lambda *a: calls.append(a[-1]) or real(*a))
+    loaded, hf = tiny_pair
+    (a,) = random_prompts(loaded.arch.vocab_size, [23], seed=5)
+    sess = PagedSession(loaded, page_size=4)
+    try:
+        sess.add([a], reserve=0)
+        for start, end in ((0, 10), (10, 17), (17, 23)):
+            sess.seqs[0] = a[:end]
+            ours = sess.run([(0, a[start:end])])
+            ref = reference_last_logits(hf, sess.seqs)
+            assert (ours - ref).abs().max().item() < TOL, end
+    finally:
+        sess.close()
+    assert sorted(set(calls)) == [17, 23]      # the two chunks with a prefix, once per layer
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_prefix_then_chunk_equals_one_masked_pass(dtype, tol):
+    from kvrelay.engine.models.layers import PagedAttention
+
+    gen = torch.Generator().manual_seed(6)
+    Hq, Hkv, D, n, m = 6, 2, 64, 70, 29
+    q = torch.randn(m, Hq, D, generator=gen).to(dtype)
+    keys = torch.randn(Hkv, n + 5, D, generator=gen).to(dtype)   # padded past n, as gathered pages are
+    values = torch.randn(Hkv, n + 5, D, generator=gen).to(dtype)
+    got = PagedAttention(Hq, Hkv, D, 0)._prefix_then_chunk(q, keys, values, n)
+    mask = torch.arange(n)[None, :] <= (n - m + torch.arange(m))[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1), keys[:, :n].float(), values[:, :n].float(), attn_mask=mask, enable_gqa=True)
+    assert got.dtype == dtype and got.shape == (m, Hq * D)
+    assert (got.float() - want.transpose(0, 1).reshape(m, -1)).abs().max().item() < tol
+
+
 def test_fully_masked_padding_rows_do_not_leak_nan(tiny_pair):
     loaded, _ = tiny_pair
     prompts = random_prompts(loaded.arch.vocab_size, [3, 12])

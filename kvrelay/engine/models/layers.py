@@ -254,12 +254,33 @@ class PagedAttention(nn.Module):
             keys, values, mask = keys.to(q.dtype), values.to(q.dtype), meta.mask
             if queries.shape[1] == 1:
                 return self._single_query(queries[:, 0], keys, values, meta.masked_out)
+            if b.batch_size == 1 and q.device.type == "cpu":
+                return self._prefix_then_chunk(queries[0], keys[:, 0], values[:, 0], b.kv_lens[0])
             keys, values = keys.transpose(0, 1), values.transpose(0, 1)
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2), keys, values,
             attn_mask=mask, is_causal=causal, enable_gqa=self.num_heads != self.num_kv_heads)
         out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)  # [B * max_q, Hq * D]
         return out[meta.row_slot]
+
+    def _prefix_then_chunk(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
+        """One sequence's chunk q [m, Hq, D] after a cached prefix, keys/values [Hkv, >= n, D]:
+        attention over the prefix (every key visible, no mask) and over the chunk's own keys
+        (causal) as two flash passes, merged by their log-sum-exps. The same softmax as one
+        masked pass, which on CPU computes the blocks its mask hides too."""
+        m, Hq, D = q.shape
+        group = Hq // keys.shape[0]
+        k = keys[:, :n].repeat_interleave(group, 0)[None]            # [1, Hq, n, D]
+        v = values[:, :n].repeat_interleave(group, 0)[None]
+        qh = q.transpose(0, 1)[None]                                  # [1, Hq, m, D]
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        own, own_lse = flash(qh, k[:, :, n - m:], v[:, :, n - m:], 0.0, True)
+        if n > m:
+            pre, pre_lse = flash(qh, k[:, :, :n - m], v[:, :, :n - m], 0.0, False)
+            top = torch.maximum(own_lse, pre_lse)
+            w_own, w_pre = (own_lse - top).exp_().unsqueeze(-1), (pre_lse - top).exp_().unsqueeze(-1)
+            own = (own.float() * w_own + pre.float() * w_pre).div_(w_own + w_pre)
+        return own[0].transpose(0, 1).reshape(m, Hq * D).to(q.dtype)
 
     def _single_query(self, queries, keys, values, masked_out) -> torch.Tensor:
         """Decode: one query per sequence against head-major keys [Hkv, B, L, D], as two
