@@ -226,7 +226,6 @@ def test_bfloat16_model_follows_float32(tiny_llama_dir):
     assert (logits["bfloat16"] - logits["float32"]).abs().max().item() < 0.1
 
 
-
 @pytest.mark.parametrize("amx", [False, True])
 def test_bfloat16_prefill_attention_takes_the_path_chosen_for_this_cpu(amx, tmp_path, monkeypatch):
     """With AMX, a bfloat16 prefill pass goes through torch's flash attention unless padding

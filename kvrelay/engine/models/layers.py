@@ -152,8 +152,8 @@ TILE_PAD_LIMIT = 2
 
 
 def prefill_on_tiles(batch: ForwardBatch, dtype: torch.dtype) -> bool:
-    """A pass with more than one query for some sequence goes through torch's flash
-    attention rather than the native prefill kernel (the comment above)."""
+    """Whether a prefill pass (some sequence has more than one query) goes through torch's
+    flash attention rather than the native prefill kernel (the comment above)."""
     if dtype != torch.bfloat16 or not amx_bf16():
         return False
     real = sum(q * kv for q, kv in zip(batch.q_lens, batch.kv_lens))
@@ -166,7 +166,8 @@ class AttnMeta:
     """Per-forward attention inputs, computed once and shared by every layer."""
     cos: torch.Tensor         # [T, 1, D]
     sin: torch.Tensor         # [T, 1, D]
-    mask: torch.Tensor | None  # [B, 1, max_q, max_kv] bool, every row has a True; None: no torch path over the pool
+    mask: torch.Tensor | None  # [B, 1, max_q, max_kv] bool, every row has a True; None: no torch path over
+    # the pool, or one sequence's chunk after its prefix on CPU (two unmasked passes)
     q_index: torch.Tensor     # [B, max_q] row in T of each padded query
     row_slot: torch.Tensor    # [T] slot in the flattened [B * max_q] padded queries of each row
     batch: ForwardBatch
@@ -204,8 +205,10 @@ class AttnMeta:
         # row sees key 0, so softmax never sees an empty row; its output is never gathered).
         gathered = not batch.no_prefix and native is None and prefill is None
         read_rows = kv.row_ids(batch.page_table) if gathered else None
+        # One sequence's chunk after its prefix runs unmasked on CPU (`_prefix_then_chunk`).
+        split = gathered and batch.batch_size == 1 and batch.q_lens[0] > 1 and batch.positions.device.type == "cpu"
         mask = None
-        if gathered:
+        if gathered and not split:
             mask = batch.mask().clone()
             mask[:, 0, :, 0] |= ~batch.q_valid
         q_lens = torch.tensor(batch.q_lens, dtype=torch.int64)
@@ -254,7 +257,7 @@ class PagedAttention(nn.Module):
             keys, values, mask = keys.to(q.dtype), values.to(q.dtype), meta.mask
             if queries.shape[1] == 1:
                 return self._single_query(queries[:, 0], keys, values, meta.masked_out)
-            if b.batch_size == 1 and q.device.type == "cpu":
+            if mask is None:   # one sequence's chunk on CPU (AttnMeta.build)
                 return self._prefix_then_chunk(queries[0], keys[:, 0], values[:, 0], b.kv_lens[0])
             keys, values = keys.transpose(0, 1), values.transpose(0, 1)
         out = F.scaled_dot_product_attention(
