@@ -1,6 +1,8 @@
 """The short version of `make chaos` (tests/chaos.py), and the regressions it found."""
 from __future__ import annotations
 
+import dataclasses
+
 from chaos import Options, print_table, run_seeds
 
 # Short episodes (fewer requests, one fault) on 1 prefill + 2 decode workers, for the faults no
@@ -29,3 +31,20 @@ def test_short_chaos_keeps_every_invariant(tiny_llama_dir):
     if failed:
         print_table(results, 0.0, OPTS)
     assert len(results) == len(SHORT_SEEDS) and not failed, [(r["seed"], r["problems"]) for r in failed]
+
+
+# As `kvrelay serve` runs them on this machine: 1 prefill + 1 decode worker sharing the cores
+# (--core-share), so the decode worker waits, bounded, while the prefill worker computes a
+# prompt. 2 saturates the pair with long prompts beside decodes, 20 kills the prefill worker
+# in the middle of its work: a decode worker must never wait for a dead one (nor for a
+# stopped one: test_core_share.py), and nothing may leak.
+SHARED_SEEDS = [2, 20]
+
+
+def test_short_chaos_on_shared_cores_keeps_every_invariant(tiny_llama_dir):
+    opts = dataclasses.replace(OPTS, share_cores=True)
+    results = run_seeds(SHARED_SEEDS, {s: (1, 1) for s in SHARED_SEEDS}, opts, model_dir=tiny_llama_dir)
+    failed = [r for r in results if r["problems"]]
+    if failed:
+        print_table(results, 0.0, opts)
+    assert len(results) == len(SHARED_SEEDS) and not failed, [(r["seed"], r["problems"]) for r in failed]

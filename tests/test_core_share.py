@@ -13,7 +13,7 @@ import torch
 
 from kvrelay.core.config import KVCacheConfig, SchedulerConfig
 from kvrelay.engine.core import EngineCore
-from kvrelay.engine.core_share import STALE, CoreShare, Post, _runs, host_cores, share
+from kvrelay.engine.core_share import STALE, YIELD_MAX, YIELD_POLL, CoreShare, Post, _runs, host_cores, share, yields
 from kvrelay.engine.types import GenerateRequest, SamplingParams
 
 
@@ -119,6 +119,76 @@ def test_an_engine_runs_each_step_on_its_part_of_the_cores(tiny_loaded, tmp_path
         while core.has_work:
             core.step()
         assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 3
+        core.check_idle()
+    finally:
+        torch.set_num_threads(before)
+        other.close()
+        core.core_share.close()
+
+
+def test_an_engine_with_decodes_only_yields_to_a_prompt_elsewhere_for_a_bounded_while(tmp_path):
+    path, clock = str(tmp_path / "cores"), Clock()
+    d = CoreShare(path, 0, cores=2, clock=clock, pid=1001, alive=lambda pid: True)
+    p = CoreShare(path, 1, cores=2, clock=clock, pid=1002, alive=lambda pid: True)
+    assert yields(0, {0: Post(True), 1: Post(True, 300)})
+    assert not yields(0, {0: Post(True), 1: Post(True, 0)})          # the other decodes too
+    assert not yields(0, {0: Post(True), 1: Post(False, 300)})       # posted no work
+    assert not yields(0, {0: Post(True, 300)})                       # its own prompt does not count
+    p.post(True, 0)
+    assert not d.should_yield(True)          # the other has no prompt to compute
+    p.post(True, 2048)
+    assert not d.should_yield(False)         # this step computes a prompt of its own: no yield
+    assert d.should_yield(True)
+    assert p.threads(True, 2048) == 2        # the yielding engine posted no work: every core to the prompt
+    clock.t += YIELD_MAX / 2
+    assert d.should_yield(True)
+    clock.t += YIELD_MAX / 2
+    assert not d.should_yield(True)          # yielded for YIELD_MAX: one step, whatever the others post
+    assert d.should_yield(True)              # and then it may yield again, for a new while
+    clock.t += YIELD_MAX
+    assert not d.should_yield(True)
+    p.post(False)
+    assert not d.should_yield(True)          # the prompt is done
+    d.close()
+    p.close()
+
+
+def test_a_dead_or_stopped_prompt_engine_holds_no_decodes(tmp_path):
+    path, clock, dead = str(tmp_path / "cores"), Clock(), set()
+    d = CoreShare(path, 0, cores=2, clock=clock, pid=1001, alive=lambda pid: pid not in dead)
+    p = CoreShare(path, 1, cores=2, clock=clock, pid=1002, alive=lambda pid: pid not in dead)
+    p.post(True, 4096)
+    assert d.should_yield(True)
+    dead.add(1002)   # frozen (SIGSTOP) or killed in the middle of its prompt
+    assert not d.should_yield(True)
+    d.close()
+    p.close()
+
+
+def test_an_engine_skips_its_decode_steps_while_another_computes_a_prompt(tiny_loaded, tmp_path):
+    """Slot 0 decodes; this process posts a prompt at slot 1. Slot 0's steps yield (no token,
+    no work posted) until the prompt is done, then its decodes go on; nothing leaks."""
+    before = torch.get_num_threads()
+    path = str(tmp_path / "cores")
+    other = CoreShare(path, 1)
+    core = EngineCore(tiny_loaded, KVCacheConfig(page_size=16, max_kv_tokens=512),
+                      SchedulerConfig(core_share=f"{path}:0"))
+    outs = []
+    try:
+        other.post(True, 1000)
+        core.add(GenerateRequest("r", tuple(range(3, 40)), SamplingParams(max_tokens=4, temperature=0.0)), outs.append)
+        core.step()   # its own prompt: computed beside the other's, no yield
+        assert core.yielded_steps == 0 and len(outs) == 1
+        for _ in range(5):
+            core.step()
+        assert core.yielded_steps == 5 and len(outs) == 1       # decodes only: every step yielded
+        assert core.engine_stats(0, 0).yielded_seconds >= 5 * YIELD_POLL   # kvrelay_engine_yielded_seconds
+        assert other.posts()[0] == Post(False, 0.0)            # and posted no work meanwhile
+        other.post(True, 0)
+        while core.has_work:
+            core.step()
+        assert core.yielded_steps == 5
+        assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 4
         core.check_idle()
     finally:
         torch.set_num_threads(before)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from typing import Callable
 
 import torch
@@ -16,7 +17,7 @@ from kvrelay.core.clock import Clock, MonotonicClock
 from kvrelay.core.config import KVCacheConfig, SchedulerConfig
 from kvrelay.core.kvlayout import KVLayout
 from kvrelay.engine.allocator import PageAllocator
-from kvrelay.engine.core_share import CoreShare
+from kvrelay.engine.core_share import YIELD_POLL, CoreShare
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.grammar import GrammarCompiler
 from kvrelay.engine.kv_pool import kv_pool_for
@@ -83,6 +84,8 @@ class EngineCore:
         # --core-share: this engine's part of the host's cores, set before each step (built
         # on the engine thread, the one whose OpenMP thread count torch.set_num_threads sets)
         self.core_share = CoreShare.from_spec(sched_cfg.core_share) if sched_cfg.core_share else None
+        self.yielded_steps = 0   # steps of decodes skipped for another engine's prompt (core_share)
+        self.yielded_s = 0.0     # and the seconds they waited
 
     @property
     def metrics(self) -> ServingMetrics | None:
@@ -239,6 +242,8 @@ class EngineCore:
 
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> None:
+        if self.core_share is not None and self._yields():
+            return
         batch = self.scheduler.schedule()
         if self.core_share is not None:
             self._take_cores(not batch.empty)
@@ -261,12 +266,26 @@ class EngineCore:
             self.last_prefill = (tokens, seconds)
         self.scheduler.costs.observe(len(batch.decode), tokens, seconds)
 
+    def _queued_prompt(self) -> int:
+        """Prompt tokens this engine has yet to compute."""
+        sched = self.scheduler
+        return sum(max(0, r.prompt_len - r.num_computed) for r in (*sched.waiting, *sched.running))
+
+    def _yields(self) -> bool:
+        """Prefill first across the host (`core_share`): a step of decodes only waits, a
+        few milliseconds at a time and a bounded while, for another engine's prompt."""
+        if not self.core_share.should_yield(self.has_work and self._queued_prompt() == 0):
+            return False
+        started = time.monotonic()
+        time.sleep(YIELD_POLL)
+        self.yielded_steps += 1
+        self.yielded_s += time.monotonic() - started
+        return True
+
     def _take_cores(self, busy: bool) -> None:
         """Post whether this step has work (and its prompt tokens still to compute), then
         run it on this engine's part of the host's cores."""
-        sched = self.scheduler
-        queued = sum(max(0, r.prompt_len - r.num_computed) for r in (*sched.waiting, *sched.running)) if busy else 0
-        n = self.core_share.threads(busy, queued)
+        n = self.core_share.threads(busy, self._queued_prompt() if busy else 0)
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
 
@@ -403,7 +422,7 @@ class EngineCore:
     def engine_stats(self, running: int, waiting: int) -> EngineStats:
         return EngineStats(running, waiting, self.allocator.num_free, self.allocator.num_total,
                            self.scheduler.num_preemptions, self.prompt_tokens_done, self.tokens_sampled,
-                           torch.get_num_threads())
+                           torch.get_num_threads(), self.yielded_s)
 
     def debug_rows(self) -> list[dict]:
         now = self.clock.now()

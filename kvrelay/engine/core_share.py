@@ -9,6 +9,14 @@ ones with the most queued compute (prompt tokens not yet computed, then slot ord
 engine with no work runs on all the cores the others leave: it has nothing to run, and
 its next step with work posts first.
 
+Prefill first, as a colocated engine's scheduler orders its own steps: an engine whose
+next step has only decodes (no prompt tokens to compute) yields while another engine
+posts prompt tokens to compute, so that one computes its prompt on all the cores. It
+yields for at most YIELD_MAX seconds, then runs one step on its even share before it may
+yield again, so a stream of prompts slows its decodes and never stops them. A yielding
+engine posts no work and keeps running its loop (its commands, its lifecycle's messages):
+only its forward pass waits.
+
 Invariants:
 - Every engine runs on at least one thread, and the engines that posted work run on at most
   `cores` threads together, counted from what each read before its own step; an engine in
@@ -37,6 +45,8 @@ FIELDS = 4
 SLOT_BYTES = FIELDS * 8
 MAX_PID = 2 ** 22   # Linux's pid_max limit
 STALE = 60.0   # seconds: a post older than this is an engine that no longer steps (no step lasts this long)
+YIELD_MAX = 1.0   # seconds: the longest a decode-only engine waits for another's prompt before one step
+YIELD_POLL = 0.005   # seconds: how long a yielding engine sleeps before it reads the file again
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,11 @@ def share(me: int, posts: dict[int, Post], cores: int) -> int:
         return max(1, cores - len(busy))
     base, extra = divmod(cores, len(busy))
     return max(1, base + (1 if busy.index(me) < extra else 0))
+
+
+def yields(me: int, posts: dict[int, Post]) -> bool:
+    """Whether slot `me`, with decode work only, leaves its step to an engine computing a prompt."""
+    return any(p.busy and p.queued > 0 for s, p in posts.items() if s != me)
 
 
 def host_cores() -> int:
@@ -91,6 +106,7 @@ class CoreShare:
         finally:
             os.close(fd)
         self._table = memoryview(self._map).cast("d")
+        self._yielding_since: float | None = None
 
     @classmethod
     def from_spec(cls, spec: str) -> "CoreShare":
@@ -120,6 +136,23 @@ class CoreShare:
         """Post, then the threads this engine's next step runs on."""
         self.post(busy, queued)
         return share(self.slot, self.posts(), self.cores)
+
+    def should_yield(self, decodes_only: bool) -> bool:
+        """Before a step: True if this engine, whose work is `decodes_only`, should skip
+        this step for a prompt elsewhere (it then posts no work). False at most YIELD_MAX
+        seconds after the first True in a row, and then once, whatever the others post."""
+        if decodes_only:
+            now = self._clock()
+            since = self._yielding_since
+            if since is not None and now - since >= YIELD_MAX:
+                self._yielding_since = None
+                return False
+            self.post(False)
+            if yields(self.slot, self.posts()):
+                self._yielding_since = now if since is None else since
+                return True
+        self._yielding_since = None
+        return False
 
     def leave(self) -> None:
         """Empty this slot (the engine stops)."""

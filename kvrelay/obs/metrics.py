@@ -94,6 +94,7 @@ class EngineStats:
     prompt_tokens: int = 0      # prompt tokens this engine prefilled, once per request
     generation_tokens: int = 0  # tokens this engine sampled (on P: each request's first)
     threads: int = 0            # threads its forward passes run on now (with --core-share: its part)
+    yielded_seconds: float = 0.0  # since start: its decode steps waited for another engine's prompt (--core-share)
 
 
 @dataclass
@@ -163,6 +164,9 @@ class _SnapshotCollector:
         yield _counter("kvrelay_generation_tokens", "Tokens this engine sampled", labels, own, e.generation_tokens)
         yield _gauge("kvrelay_engine_threads", "Threads this engine's forward passes run on (with --core-share, "
                      "its part of the host's cores, set before each step)", labels, [(own, e.threads)])
+        yield _counter("kvrelay_engine_yielded_seconds", "Seconds this engine's decode steps waited for another "
+                       "engine's prompt on the shared cores (--core-share: prefill first)", labels, own,
+                       e.yielded_seconds)
         yield _counter("kvrelay_preemptions", "Requests preempted (pages freed, recomputed later)", labels, own,
                        e.preemptions)
         vl = ["model_name"]
