@@ -98,32 +98,38 @@ def test_a_bad_spec_names_the_flag(spec):
         SchedulerConfig(core_share=spec)
 
 
-def test_an_engine_runs_each_step_on_its_part_of_the_cores(tiny_loaded, tmp_path):
-    """An engine at slot 0; another (this process, running) at slot 1. While the other has
-    work, a step with work runs on the cores it leaves; once it has none, on all of them."""
-    cores, before = host_cores(), torch.get_num_threads()
-    path = str(tmp_path / "cores")
+@pytest.fixture
+def shared_engine(tiny_loaded, tmp_path):
+    """An engine at slot 0 of a share file, and another slot (this process, running) at 1."""
+    before, path = torch.get_num_threads(), str(tmp_path / "cores")
     other = CoreShare(path, 1)
     core = EngineCore(tiny_loaded, KVCacheConfig(page_size=16, max_kv_tokens=512),
                       SchedulerConfig(core_share=f"{path}:0"))
-    outs = []
     try:
-        other.post(True, 0)
-        core.add(GenerateRequest("r", tuple(range(3, 40)), SamplingParams(max_tokens=3, temperature=0.0)), outs.append)
-        core.step()   # the prompt: more queued than the other, so the spare core (if odd) is this one's
-        assert torch.get_num_threads() == cores // 2 + cores % 2
-        other.post(False)
-        core.step()
-        assert torch.get_num_threads() == cores
-        assert core.engine_stats(0, 0).threads == cores
-        while core.has_work:
-            core.step()
-        assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 3
-        core.check_idle()
+        yield core, other
     finally:
         torch.set_num_threads(before)
         other.close()
         core.core_share.close()
+
+
+def test_an_engine_runs_each_step_on_its_part_of_the_cores(shared_engine):
+    """While the other slot has work, a step with work runs on the cores it leaves; once it
+    has none, on all of them."""
+    core, other = shared_engine
+    cores, outs = host_cores(), []
+    other.post(True, 0)
+    core.add(GenerateRequest("r", tuple(range(3, 40)), SamplingParams(max_tokens=3, temperature=0.0)), outs.append)
+    core.step()   # the prompt: more queued than the other, so the spare core (if odd) is this one's
+    assert torch.get_num_threads() == cores // 2 + cores % 2
+    other.post(False)
+    core.step()
+    assert torch.get_num_threads() == cores
+    assert core.engine_stats(0, 0).threads == cores
+    while core.has_work:
+        core.step()
+    assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 3
+    core.check_idle()
 
 
 def test_an_engine_with_decodes_only_yields_to_a_prompt_elsewhere_for_a_bounded_while(tmp_path):
@@ -165,32 +171,23 @@ def test_a_dead_or_stopped_prompt_engine_holds_no_decodes(tmp_path):
     p.close()
 
 
-def test_an_engine_skips_its_decode_steps_while_another_computes_a_prompt(tiny_loaded, tmp_path):
-    """Slot 0 decodes; this process posts a prompt at slot 1. Slot 0's steps yield (no token,
-    no work posted) until the prompt is done, then its decodes go on; nothing leaks."""
-    before = torch.get_num_threads()
-    path = str(tmp_path / "cores")
-    other = CoreShare(path, 1)
-    core = EngineCore(tiny_loaded, KVCacheConfig(page_size=16, max_kv_tokens=512),
-                      SchedulerConfig(core_share=f"{path}:0"))
+def test_an_engine_skips_its_decode_steps_while_another_computes_a_prompt(shared_engine):
+    """Slot 0 decodes; slot 1 posts a prompt. Slot 0's steps yield (no token, no work
+    posted) until the prompt is done, then its decodes go on; nothing leaks."""
+    core, other = shared_engine
     outs = []
-    try:
-        other.post(True, 1000)
-        core.add(GenerateRequest("r", tuple(range(3, 40)), SamplingParams(max_tokens=4, temperature=0.0)), outs.append)
-        core.step()   # its own prompt: computed beside the other's, no yield
-        assert core.yielded_steps == 0 and len(outs) == 1
-        for _ in range(5):
-            core.step()
-        assert core.yielded_steps == 5 and len(outs) == 1       # decodes only: every step yielded
-        assert core.engine_stats(0, 0).yielded_seconds >= 5 * YIELD_POLL   # kvrelay_engine_yielded_seconds
-        assert other.posts()[0] == Post(False, 0.0)            # and posted no work meanwhile
-        other.post(True, 0)
-        while core.has_work:
-            core.step()
-        assert core.yielded_steps == 5
-        assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 4
-        core.check_idle()
-    finally:
-        torch.set_num_threads(before)
-        other.close()
-        core.core_share.close()
+    other.post(True, 1000)
+    core.add(GenerateRequest("r", tuple(range(3, 40)), SamplingParams(max_tokens=4, temperature=0.0)), outs.append)
+    core.step()   # its own prompt: computed beside the other's, no yield
+    assert core.yielded_steps == 0 and len(outs) == 1
+    for _ in range(5):
+        core.step()
+    assert core.yielded_steps == 5 and len(outs) == 1       # decodes only: every step yielded
+    assert core.engine_stats(0, 0).yielded_seconds >= 5 * YIELD_POLL   # kvrelay_engine_yielded_seconds
+    assert other.posts()[0] == Post(False, 0.0)            # and posted no work meanwhile
+    other.post(True, 0)
+    while core.has_work:
+        core.step()
+    assert core.yielded_steps == 5
+    assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 4
+    core.check_idle()

@@ -42,13 +42,13 @@ STEP_GRANULE = 128  # prompt tokens: a step budget above it is a multiple of it 
 
 
 def step_budget(tokens: float, page_size: int, cap: int) -> int:
-    """The prompt tokens of the next prefill step, about `tokens`: the nearest multiple of
+    """The prompt tokens of the next prefill step, at most `tokens`: a multiple of
     STEP_GRANULE (of a page below it), at least a page, at most `cap`. Every new row count
     costs the matmul and attention libraries a kernel built for that shape (~100 ms a
     step of the default model at 300 tokens on a 2-core Xeon), so the chunks of a long
     prompt keep to a few sizes that later prompts reuse."""
     unit = STEP_GRANULE if tokens >= STEP_GRANULE else page_size
-    return int(min(cap, max(page_size, round(tokens / unit) * unit)))
+    return int(min(cap, max(page_size, tokens // unit * unit)))
 
 
 @dataclass(eq=False)
