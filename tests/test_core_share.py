@@ -13,7 +13,8 @@ import torch
 
 from kvrelay.core.config import KVCacheConfig, SchedulerConfig
 from kvrelay.engine.core import EngineCore
-from kvrelay.engine.core_share import STALE, YIELD_MAX, YIELD_POLL, CoreShare, Post, _runs, host_cores, share, yields
+from kvrelay.engine.core_share import (PREFILL_WAIT, STALE, YIELD_MAX, YIELD_POLL, CoreShare, Post, _runs, host_cores,
+                                       share, yields)
 from kvrelay.engine.types import GenerateRequest, SamplingParams
 
 
@@ -155,6 +156,39 @@ def test_an_engine_with_decodes_only_yields_to_a_prompt_elsewhere_for_a_bounded_
     assert not d.should_yield(True)
     p.post(False)
     assert not d.should_yield(True)          # the prompt is done
+    d.close()
+    p.close()
+
+
+def test_a_prompt_waits_a_bounded_while_for_a_decode_step_to_end_then_takes_every_core(tmp_path):
+    """A thread count is read once per step: a prompt that read the decoding engine as
+    busy would run its whole step on half the cores. It waits, YIELD_POLL at a time, for
+    that step to end (the other then yields to it), and no longer than PREFILL_WAIT."""
+    path, clock = str(tmp_path / "cores"), Clock()
+    d = CoreShare(path, 0, cores=2, clock=clock, pid=1001, alive=lambda pid: True)
+    slept: list[float] = []
+
+    def step_ends_after(polls: int):
+        def sleep(seconds: float) -> None:
+            slept.append(seconds)
+            clock.t += seconds
+            if len(slept) == polls:
+                assert d.should_yield(True)   # its next step sees the prompt and yields
+        return sleep
+
+    p = CoreShare(path, 1, cores=2, clock=clock, pid=1002, alive=lambda pid: True, sleep=step_ends_after(7))
+    d.post(True, 0)                              # in the middle of a step of decodes
+    assert p.threads(True, 2048) == 2            # waited for that step, then took both cores
+    assert slept == [YIELD_POLL] * 7
+    slept.clear()
+    d.post(True, 0)
+    p._sleep = step_ends_after(10**6)            # a decode step that does not end in time
+    assert p.threads(True, 2048) == 1            # waited PREFILL_WAIT, then its even share
+    assert len(slept) == round(PREFILL_WAIT / YIELD_POLL) and sum(slept) == pytest.approx(PREFILL_WAIT)
+    slept.clear()
+    assert p.threads(True, 0) == 1 and not slept   # a step without a prompt never waits
+    d.post(True, 512)
+    assert p.threads(True, 2048) == 1 and not slept   # nor for another engine's prompt
     d.close()
     p.close()
 

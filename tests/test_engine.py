@@ -240,7 +240,7 @@ def test_a_caller_that_leaves_while_its_add_is_queued_never_stops_the_engine(tin
     tiny_engine._inbox.put(("add", greq, lambda out: None, {}, fut))
     call: concurrent.futures.Future = concurrent.futures.Future()
     call.cancel()
-    tiny_engine._inbox.put(("call", lambda core: 1, call))
+    tiny_engine._inbox.put(("call", lambda core: 1, call, False))
 
     async def after():
         ok = GenerateRequest("after", (1, 2, 3), SamplingParams(max_tokens=3, temperature=0.0))

@@ -192,6 +192,25 @@ def test_prefix_then_chunk_equals_one_masked_pass(dtype, tol):
     assert (got.float() - want.transpose(0, 1).reshape(m, -1)).abs().max().item() < tol
 
 
+def test_after_layer_runs_once_per_layer_and_changes_no_logit(tiny_pair):
+    """The engine's between-layer callback (heartbeats and reads inside a long prefill
+    pass) runs once after each layer and leaves the logits exactly as without it."""
+    loaded, _ = tiny_pair
+    prompts = random_prompts(loaded.arch.vocab_size, [11, 30])
+    plain, called = PagedSession(loaded), PagedSession(loaded)
+    try:
+        want = plain.prefill(prompts, reserve=0)
+        called.add(prompts, reserve=0)
+        batch = [SeqChunk(p, 0, called.alloc.pages_of(b)) for b, p in enumerate(called.seqs)]
+        calls = []
+        got = loaded.model(build_forward_batch(batch, called.page_size), called.kv, lambda: calls.append(1))
+        assert len(calls) == loaded.arch.num_layers
+        assert torch.equal(got, want)
+    finally:
+        plain.close()
+        called.close()
+
+
 def test_fully_masked_padding_rows_do_not_leak_nan(tiny_pair):
     loaded, _ = tiny_pair
     prompts = random_prompts(loaded.arch.vocab_size, [3, 12])

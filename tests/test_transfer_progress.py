@@ -9,6 +9,7 @@ counting as progress too, except on a backend whose pending writes are opaque (n
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -181,6 +182,33 @@ def test_a_transfer_with_no_progress_for_the_lease_fails(backend):
         assert 1 + CFG.heartbeat_misses <= H.aux_sent <= 2 + CFG.heartbeat_misses
         assert H.run_until(lambda: H.event("D", 1) is not None, 5)
         assert H.event("D", 1)[1].reason == "transfer_error"
+        H.assert_no_leak()
+    finally:
+        H.close()
+
+
+def test_heartbeats_that_waited_through_a_long_prefill_step_count_for_nothing(backend):
+    """A prefill step of two leases: P heartbeats and pumps its backend between the layers
+    (`mid_step`) but reads no heartbeat, so D's, each showing the room waiting with no
+    page landed, queue up. D sent them before P computed the room: the pass that reads
+    them right after the send counts none as a stall, and the room completes."""
+    H = ProgressHarness(backend, seconds_per_page=0.0)
+    try:
+        H.request(1, n_pages=3)
+        H.to_phase(1, "P", "queued")
+        H.P.take_queued(1_000)                      # the step that computes the room starts
+        for _ in range(int(2 * LEASE / DT)):
+            H.clock.advance(DT)
+            H.P.mid_step()
+            H.D.step()
+            if H.real:
+                time.sleep(0.001)
+        assert H.phase("D", 1) == "waiting" and H.phase("P", 1) == "prefill"   # the lease held
+        H.prefill(1)                                # the step ends: the KV goes out
+        assert H.run_until(lambda: ready(H, 1), 10), H.events
+        assert all(ev.phase == "done" for _, ev in H.events), H.events
+        H.D.finish(1)
+        H.settle()
         H.assert_no_leak()
     finally:
         H.close()

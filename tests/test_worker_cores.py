@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -324,33 +325,86 @@ def test_unacknowledged_transfer_fails_within_the_lease(tiny_loaded, backend):
 
 
 def test_prefill_steps_stay_inside_the_heartbeat_interval(tiny_loaded):
-    """Heartbeats leave between engine steps, so a worker sizes each prefill step from the
-    measured rate to take about half a heartbeat interval (never above
-    --max-prefill-tokens, never below a page): a long prompt is chunked instead of
-    silencing the worker past its lease. (The pair runs under a 6 s lease: what is tested
-    here is the budget; a 0.6 s one ran out on a loaded 2-core machine.)"""
-    from kvrelay.disagg.worker_core import FIRST_BUDGET, STEP_GRANULE, STEP_SHARE
+    """A worker sizes each prefill step from the measured rate to take a share of a
+    heartbeat interval (never above --max-prefill-tokens, never below a page): half of one
+    on a decode worker, whose decodes wait on the step, and LONG_STEP_SHARE on a prefill
+    worker, which heartbeats between the layers of a pass. A long prompt is chunked
+    instead of silencing the worker past its lease. (The pair runs under a 6 s lease: what
+    is tested here is the budget; a 0.6 s one ran out on a loaded 2-core machine.)"""
+    from kvrelay.disagg.worker_core import FIRST_BUDGET, LONG_STEP_SHARE, STEP_GRANULE, STEP_SHARE
     with _pair(tiny_loaded, REAL[0], life=replace(LIFE, heartbeat_misses=30)) as pair:
-        def fit(tokens, seconds):
-            def run(c):
-                c.last_prefill = (tokens, seconds)
-                c._fit_prefill_budget()
-                return c.scheduler.prefill_budget
-            return pair.P.call(run)
+        assert pair.P.call(lambda c: c.step_share) == LONG_STEP_SHARE
+        assert pair.D.call(lambda c: c.step_share) == STEP_SHARE
+        for engine, step_share in ((pair.P, LONG_STEP_SHARE), (pair.D, STEP_SHARE)):
+            def fit(tokens, seconds, engine=engine):
+                def run(c):
+                    c.last_prefill = (tokens, seconds)
+                    c._fit_prefill_budget()
+                    return c.scheduler.prefill_budget
+                return engine.call(run)
 
-        assert pair.P.call(lambda c: c.scheduler.prefill_budget) == min(SCHED.max_prefill_tokens, FIRST_BUDGET)
-        slow = 100 / (LIFE.heartbeat_interval * STEP_SHARE)       # 100 tokens fill the target step time
-        budgets = [fit(int(slow), 1.0) for _ in range(12)]
-        assert budgets[-1] == 100 // KV.page_size * KV.page_size   # the measured rate, down to a page
-        assert all(b >= KV.page_size for b in budgets)
-        fast = 300 / (LIFE.heartbeat_interval * STEP_SHARE)      # 300 tokens fill it: above the granule
-        budgets = [fit(int(fast), 1.0) for _ in range(12)]
-        assert budgets[-1] == 300 // STEP_GRANULE * STEP_GRANULE
-        assert all(b % STEP_GRANULE == 0 for b in budgets if b >= STEP_GRANULE)
-        assert fit(10**9, 1.0) <= SCHED.max_prefill_tokens and fit(1, 100.0) >= KV.page_size
+            assert engine.call(lambda c: c.scheduler.prefill_budget) == min(SCHED.max_prefill_tokens, FIRST_BUDGET)
+            slow = 100 / (LIFE.heartbeat_interval * step_share)   # 100 tokens fill the target step time
+            budgets = [fit(slow, 1.0) for _ in range(12)]
+            assert budgets[-1] == 100 // KV.page_size * KV.page_size   # the measured rate, down to a page
+            assert all(b >= KV.page_size for b in budgets)
+            fast = 300 / (LIFE.heartbeat_interval * step_share)  # 300 tokens fill it: above the granule
+            budgets = [fit(fast, 1.0) for _ in range(12)]
+            assert budgets[-1] == 300 // STEP_GRANULE * STEP_GRANULE
+            assert all(b % STEP_GRANULE == 0 for b in budgets if b >= STEP_GRANULE)
+            assert fit(10**9, 1.0) <= SCHED.max_prefill_tokens and fit(1, 100.0) >= KV.page_size
         # A real prompt longer than the budget is prefilled in chunks and still served.
         pair.P.call(lambda c: setattr(c.scheduler, "prefill_budget", 64))
         pouts, douts = asyncio.run(pair.run(greedy("chunked", range(5, 400), n=4)))
+        assert douts[-1].finish_reason is FinishReason.LENGTH and len(tokens(douts)) == 4
+        pair.assert_idle()
+
+
+def test_a_prefill_step_longer_than_the_lease_keeps_its_pair_and_answers_reads(tiny_loaded):
+    """A prefill pass twice the 1.6 s lease: between its layers the prefill worker
+    heartbeats its peer and answers read-only calls (/health, /metrics); other commands
+    wait for the step's end. The pass stands in for a long one of many layers: each of
+    the tiny model's layer ends takes LAYER_S, with the engine's between-layer work run
+    every 50 ms of it as a real layer boundary would."""
+    import threading
+    import time
+
+    lease = LIFE.heartbeat_interval * LIFE.heartbeat_misses
+    layer_s = 2 * lease / tiny_loaded.arch.num_layers
+    with _pair(tiny_loaded, REAL[0]) as pair:
+        marks: dict[str, float] = {}
+        slow_now = threading.Event()
+
+        def slow_layers(c):
+            inner = c.runner.between_layers
+
+            def between_layers():
+                if slow_now.is_set():
+                    marks.setdefault("start", time.monotonic())
+                    end = time.monotonic() + layer_s
+                    while time.monotonic() < end:
+                        time.sleep(0.05)
+                        inner()
+                    marks["end"] = time.monotonic()
+                else:
+                    inner()
+            c.runner.between_layers = between_layers
+        pair.P.call(slow_layers)
+        slow_now.set()
+        with ThreadPoolExecutor(1) as pool:
+            legs = pool.submit(asyncio.run, pair.run(greedy("long-step", range(5, 60), n=4)))
+            deadline = time.monotonic() + 30
+            while "start" not in marks and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(lease / 2)
+            read = pair.P.call(lambda c: (c.health()["live_requests"], time.monotonic()), readonly=True)
+            waited = pair.P.call(lambda c: time.monotonic())
+            pouts, douts = legs.result(timeout=60)
+        slow_now.clear()
+        assert marks["end"] - marks["start"] > 1.5 * lease   # the pass outlasted the lease
+        assert read[0] == 1 and marks["start"] < read[1] < marks["end"]   # answered inside the pass
+        assert waited >= marks["end"]                                       # a command waits for its end
+        assert pouts[-1].error is None and douts[-1].error is None, (pouts[-1], douts[-1])
         assert douts[-1].finish_reason is FinishReason.LENGTH and len(tokens(douts)) == 4
         pair.assert_idle()
 

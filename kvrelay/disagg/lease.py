@@ -102,6 +102,7 @@ class Coordinator(ABC):
         self.leases = Leases(cfg, clock)
         self._last_beat = float("-inf")
         self._tombstones: dict[int, tuple[str | None, str, float]] = {}  # room -> (peer, phase, expiry)
+        self.heartbeat_reads = 0   # passes of `step()` that read the peers' heartbeats so far
 
     # ---- the side's reactions -----------------------------------------------------------
     @abstractmethod
@@ -152,6 +153,14 @@ class Coordinator(ABC):
         self._beat()
         self._expire_tombstones()
 
+    def mid_step(self) -> None:
+        """Inside a long forward pass (between its layers): pump the backend and heartbeat
+        out, so that a busy worker keeps its leases and its transfers move. Invariant: it
+        ends no room and frees no page (the pass may be computing into a room's pages);
+        polling rooms, reading heartbeats and the watchdog wait for `step()`."""
+        self.manager.progress()
+        self._beat()
+
     def _read_heartbeats(self) -> None:
         self.leases.heard(self.manager.heard())
         for src, hb in self.manager.take_heartbeats():
@@ -165,6 +174,7 @@ class Coordinator(ABC):
                 self._peer_restarted(src)
             for r in self._rooms_of(src):
                 self._check_lease(r, self.leases.peers[src])
+        self.heartbeat_reads += 1
 
     def _check_lease(self, r: Room, lease: PeerLease) -> None:
         phase = lease.rooms.get(r.room)

@@ -20,6 +20,9 @@ Invariants:
   comes, never outlives the lease. Exception: a backend whose pending writes are opaque
   (`opaque_writes`, nixl) cannot show a write moving, so its pending writes are bounded
   by --transfer-timeout alone; once the aux is out, the rule holds for it too.
+  Heartbeats read in the first pass after the send count for nothing: they waited in the
+  queue while the step that computed the room ran (several, when it ran for a few
+  heartbeat intervals), so D sent them before it could see the write.
 """
 from __future__ import annotations
 
@@ -75,6 +78,7 @@ class PrefillSide(Coordinator):
         self.lc.move(room, PPhase.TRANSFER)
         lease = self.leases.peers.get(r.peer or "")
         r.data["link_landed"] = lease.landed if lease is not None else 0  # progress counts from here
+        r.data["sent_at_read"] = self.heartbeat_reads
         self._senders[room].send(list(src_pages), aux)
         return True
 
@@ -126,7 +130,9 @@ class PrefillSide(Coordinator):
             elif r.phase is not PPhase.TRANSFER:
                 self._fail(r, Reason.PEER_FAILED.value, f"decode side is {phase} before the transfer")
         elif phase == "waiting" and r.phase is PPhase.TRANSFER:
-            if self._senders[r.room].aux_sent:
+            if r.data["sent_at_read"] == self.heartbeat_reads:   # sent before D could see the write
+                self._link_moved(r, lease)
+            elif self._senders[r.room].aux_sent:
                 self._unacked(r, lease)
             elif not self.manager.opaque_writes:
                 self._write_pending(r, lease)

@@ -16,7 +16,8 @@ others' are dropped as those choices end there.
 Invariants:
 - Pages of a room in transfer are owned by `("room", room)` in the engine's allocator; a
   room that ends before its prefill finished is aborted in the engine, which frees them.
-- `heartbeat()` runs from `step()`, i.e. from the scheduler loop: a hung loop stops beating.
+- Heartbeats leave from `step()` and, inside a prefill pass, between its layers
+  (`_mid_step`): both on the scheduler loop's thread, so a hung loop or pass stops beating.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class PrefillCore(WorkerCore):
     PHASES = tuple(phase_name(p) for p in (PPhase.BOOTSTRAP, PPhase.QUEUED, PPhase.PREFILL, PPhase.TRANSFER))
     QUEUED_PHASES = ("bootstrap", "queued")
     RUNNING_PHASES = ("prefill",)
+    LONG_STEPS = True   # it heartbeats between layers, and no decode here waits on a step
 
     def _make_side(self) -> PrefillSide:
         return PrefillSide(self.lifecycle_cfg, self.manager, self.clock, self._release_room,

@@ -30,6 +30,9 @@ from kvrelay.obs.metrics import EngineStats, ServingMetrics, Snapshot
 
 log = logging.getLogger("kvrelay.engine")
 Sink = Callable[[StepOutput], None]
+# seconds: inside a prefill pass, the loop's between-layer work (`_between_layers`) runs
+# at most this often (a layer of a long chunk takes tens to hundreds of milliseconds)
+MID_STEP_PERIOD = 0.05
 
 
 def _last_token(req: Req) -> int:
@@ -86,6 +89,11 @@ class EngineCore:
         self.core_share = CoreShare.from_spec(sched_cfg.core_share) if sched_cfg.core_share else None
         self.yielded_steps = 0   # steps of decodes skipped for another engine's prompt (core_share)
         self.yielded_s = 0.0     # and the seconds they waited
+        # Installed by AsyncEngine: answers the read-only calls queued for the loop. Called
+        # from `_between_layers`, on the engine thread, inside a prefill pass.
+        self.serve_reads: Callable[[], None] | None = None
+        self._mid_step_at = float("-inf")
+        self.runner.between_layers = self._between_layers
 
     @property
     def metrics(self) -> ServingMetrics | None:
@@ -265,6 +273,27 @@ class EngineCore:
         if tokens:
             self.last_prefill = (tokens, seconds)
         self.scheduler.costs.observe(len(batch.decode), tokens, seconds)
+
+    def _between_layers(self) -> None:
+        """Inside a prefill pass, after a layer, at most every MID_STEP_PERIOD: the
+        loop's work that cannot wait for a long step's end. Invariant: nothing here
+        touches the running batch, its pages or the scheduler's queues (adds, aborts and
+        every command that may free pages wait for the step's end, in their order); it
+        runs on the engine thread, so a pass that hangs stops it too."""
+        now = self.clock.now()
+        if now - self._mid_step_at < MID_STEP_PERIOD:
+            return
+        self._mid_step_at = now
+        try:
+            self._mid_step()
+            if self.serve_reads is not None:
+                self.serve_reads()
+        except Exception:  # the pass goes on; the step's end meets the fault in the loop
+            log.exception("work between layers failed")
+
+    def _mid_step(self) -> None:
+        """What a core does between layers besides answering reads (a worker core: its
+        peers' heartbeats and the transfer backend)."""
 
     def _queued_prompt(self) -> int:
         """Prompt tokens this engine has yet to compute."""

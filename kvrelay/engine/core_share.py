@@ -15,7 +15,10 @@ posts prompt tokens to compute, so that one computes its prompt on all the cores
 yields for at most YIELD_MAX seconds, then runs one step on its even share before it may
 yield again, so a stream of prompts slows its decodes and never stops them. A yielding
 engine posts no work and keeps running its loop (its commands, its lifecycle's messages):
-only its forward pass waits.
+only its forward pass waits. An engine about to compute a prompt while another is in the
+middle of a step of decodes only waits for that step to end, for at most PREFILL_WAIT
+seconds, before it reads its share: a thread count read then would be set for its whole
+step (one core of two for a long prompt), while the other yields at its next step.
 
 Invariants:
 - Every engine runs on at least one thread, and the engines that posted work run on at most
@@ -47,6 +50,7 @@ MAX_PID = 2 ** 22   # Linux's pid_max limit
 STALE = 60.0   # seconds: a post older than this is an engine that no longer steps (no step lasts this long)
 YIELD_MAX = 1.0   # seconds: the longest a decode-only engine waits for another's prompt before one step
 YIELD_POLL = 0.005   # seconds: how long a yielding engine sleeps before it reads the file again
+PREFILL_WAIT = 0.25  # seconds: the longest a prompt's step waits for another engine's decode step to end
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,11 @@ def share(me: int, posts: dict[int, Post], cores: int) -> int:
 def yields(me: int, posts: dict[int, Post]) -> bool:
     """Whether slot `me`, with decode work only, leaves its step to an engine computing a prompt."""
     return any(p.busy and p.queued > 0 for s, p in posts.items() if s != me)
+
+
+def decoding(me: int, posts: dict[int, Post]) -> bool:
+    """Whether another slot is in a step of decodes only (busy, no prompt to compute)."""
+    return any(p.busy and p.queued <= 0 for s, p in posts.items() if s != me)
 
 
 def host_cores() -> int:
@@ -92,12 +101,12 @@ class CoreShare:
 
     def __init__(self, path: str, slot: int, cores: int | None = None, *,
                  clock: Callable[[], float] = time.monotonic, pid: int | None = None,
-                 alive: Callable[[int], bool] = _runs) -> None:
+                 alive: Callable[[int], bool] = _runs, sleep: Callable[[float], None] = time.sleep) -> None:
         if not 0 <= slot < SLOTS:
             raise ValueError(f"core share slot {slot} is outside 0..{SLOTS - 1}")
         self.path, self.slot = path, slot
         self.cores = cores or host_cores()
-        self._clock, self._pid, self._alive = clock, pid or os.getpid(), alive
+        self._clock, self._pid, self._alive, self._sleep = clock, pid or os.getpid(), alive, sleep
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size < SLOTS * SLOT_BYTES:
@@ -133,9 +142,18 @@ class CoreShare:
         return out
 
     def threads(self, busy: bool, queued: float = 0.0) -> int:
-        """Post, then the threads this engine's next step runs on."""
+        """Post, then the threads this engine's next step runs on. With prompt tokens
+        `queued`, first wait (YIELD_POLL at a time, PREFILL_WAIT at most) while another
+        engine is in a step of decodes only: it yields once that step ends."""
         self.post(busy, queued)
-        return share(self.slot, self.posts(), self.cores)
+        posts = self.posts()
+        if queued > 0:
+            for _ in range(round(PREFILL_WAIT / YIELD_POLL)):
+                if not decoding(self.slot, posts):
+                    break
+                self._sleep(YIELD_POLL)
+                posts = self.posts()
+        return share(self.slot, posts, self.cores)
 
     def should_yield(self, decodes_only: bool) -> bool:
         """Before a step: True if this engine, whose work is `decodes_only`, should skip

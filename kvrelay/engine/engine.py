@@ -7,7 +7,10 @@ libgomp stops spinning and every parallel region pays a futex wake-up (measured:
 steps 1.8x slower). Other threads talk to it
 through `_inbox` (add, abort, call); outputs come back to each request's asyncio queue
 through `loop.call_soon_threadsafe`. An abort is handled at the top of the next
-iteration, so a disconnected client's pages are free within one scheduler step.
+iteration, so a disconnected client's pages are free within one scheduler step. Calls
+marked `readonly` (health, metrics, debug views) are also answered inside a long prefill
+pass, between its layers (`serve_reads`); every other command queued then waits for the
+step's end, in its order.
 
 One iteration (`iterate`) is the whole loop body; the thread only repeats it. The
 deterministic simulation (`kvrelay.sim`) builds an engine with `threaded=False` and calls
@@ -16,6 +19,7 @@ deterministic simulation (`kvrelay.sim`) builds an engine with `threaded=False` 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -45,6 +49,9 @@ class AsyncEngine(EngineClient):
         raises what it raised (e.g. ModelLoadError). `threaded=False`: build the core
         here and start no thread; the caller runs `iterate()` (the simulation)."""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Commands `serve_reads` took from the inbox and left for the step's end, in order:
+        # they run before anything still in the inbox (FIFO overall).
+        self._deferred: collections.deque[tuple] = collections.deque()
         self._idle_wait = idle_wait
         self._stop = threading.Event()
         self._threaded = threaded
@@ -69,6 +76,7 @@ class AsyncEngine(EngineClient):
         except BaseException as exc:
             built.set_exception(exc)
             return
+        self.core.serve_reads = self.serve_reads
         built.set_result(self.core)
         self._loop()
 
@@ -94,6 +102,9 @@ class AsyncEngine(EngineClient):
             return False
 
     def _drain(self, block: bool) -> None:
+        while self._deferred:
+            self._run(self._deferred.popleft())
+            block = False
         try:
             wait = min(self._idle_wait, self.core.idle_wait)
             cmd = self._inbox.get(timeout=wait) if block else self._inbox.get_nowait()
@@ -123,7 +134,7 @@ class AsyncEngine(EngineClient):
         elif kind == "abort":
             self.core.abort(args[0])
         elif kind == "call":
-            fn, fut = args
+            fn, fut, _ = args
             if not fut.set_running_or_notify_cancel():
                 return
             try:
@@ -131,17 +142,32 @@ class AsyncEngine(EngineClient):
             except BaseException as exc:
                 fut.set_exception(exc)
 
-    def call(self, fn: Callable[[EngineCore], object], timeout: float = 30.0):
-        """Run `fn(core)` on the engine thread between steps and return its result."""
+    def serve_reads(self) -> None:
+        """On the engine thread, inside a step: run the queued read-only calls now and
+        keep every other command for the step's end (`_drain`), in order."""
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "call" and cmd[3]:
+                self._run(cmd)
+            else:
+                self._deferred.append(cmd)
+
+    def call(self, fn: Callable[[EngineCore], object], timeout: float = 30.0, readonly: bool = False):
+        """Run `fn(core)` on the engine thread between steps and return its result.
+        `readonly`: `fn` changes nothing and reads only what is whole inside a step (counts,
+        phases, queues): it may also run between the layers of a long prefill pass."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("call", fn, fut))
+        self._inbox.put(("call", fn, fut, readonly))
         return fut.result(timeout)
 
-    async def acall(self, fn: Callable[[EngineCore], object], timeout: float = 30.0):
+    async def acall(self, fn: Callable[[EngineCore], object], timeout: float = 30.0, readonly: bool = False):
         """`call` for asyncio callers: waits without a thread of its own. Raises
         TimeoutError after `timeout` seconds (a wedged loop)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("call", fn, fut))
+        self._inbox.put(("call", fn, fut, readonly))
         async with asyncio.timeout(timeout):   # not wait_for: on 3.11 it can swallow a cancel
             return await asyncio.wrap_future(fut)
 

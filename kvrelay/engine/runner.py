@@ -7,6 +7,7 @@ the requests of the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -64,18 +65,23 @@ def build_forward_batch(chunks: list[SeqChunk], page_size: int) -> ForwardBatch:
 
 
 class ModelRunner:
+    # `prefill` calls `between_layers` (set by the engine, None for nothing) after each
+    # layer of its pass; `decode` does not (one decode step is shorter than any lease).
+    CALLS_BETWEEN_LAYERS = True
+
     def __init__(self, model: torch.nn.Module, kv: KVPool) -> None:
         self.model = model
         self.kv = kv
         self.page_size = kv.layout.page_size
+        self.between_layers: Callable[[], None] | None = None
 
     @torch.inference_mode()
-    def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
+    def forward(self, chunks: list[SeqChunk], after_layer: Callable[[], None] | None = None) -> torch.Tensor:
         """float32 logits [B, vocab] of the last token of each chunk."""
-        return self.model(build_forward_batch(chunks, self.page_size), self.kv)
+        return self.model(build_forward_batch(chunks, self.page_size), self.kv, after_layer)
 
     def prefill(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        return self.forward(chunks)
+        return self.forward(chunks, self.between_layers)
 
     def decode(self, last_tokens: list[int], positions: list[int], pages: list[list[int]]) -> torch.Tensor:
         return self.forward([SeqChunk([t], p, pg) for t, p, pg in zip(last_tokens, positions, pages)])

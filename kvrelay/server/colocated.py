@@ -16,11 +16,12 @@ PHASES = ("waiting", "running")
 
 def colocated_app(engine: AsyncEngine, gate: Gate | None = None, allowed_origins: tuple[str, ...] = ()):
     """The API of one engine, with /metrics and /debug/requests, behind `gate`; CORS for `allowed_origins`."""
-    metrics = ServingMetrics("colocated", PHASES, lambda: engine.call(lambda core: core.snapshot(), timeout=10))
+    metrics = ServingMetrics("colocated", PHASES,
+                             lambda: engine.call(lambda core: core.snapshot(), timeout=10, readonly=True))
     engine.core.metrics = metrics  # set before the first request is served
 
     async def debug_rows() -> list[dict]:
-        return await engine.acall(lambda core: core.debug_rows())
+        return await engine.acall(lambda core: core.debug_rows(), readonly=True)
 
     return build_openai_app(engine, extra_routes=[observability_router(metrics, debug_rows)], gate=gate,
                             allowed_origins=allowed_origins, health_info=engine.core.loaded.compute_info())

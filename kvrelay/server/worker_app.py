@@ -46,8 +46,8 @@ def worker_app(engine: AsyncEngine, metrics: ServingMetrics, faults: bool = Fals
     guard(app, gate)
     routes = APIRouter()
 
-    async def on_engine(fn, timeout: float = 30.0):
-        return await engine.acall(fn, timeout)
+    async def on_engine(fn, timeout: float = 30.0, readonly: bool = False):
+        return await engine.acall(fn, timeout, readonly)
 
     @routes.post("/generate")
     async def generate(body: LegRequest) -> StreamingResponse:
@@ -62,7 +62,7 @@ def worker_app(engine: AsyncEngine, metrics: ServingMetrics, faults: bool = Fals
 
     @routes.get("/health")
     async def health(request: Request) -> dict:
-        view = await on_engine(lambda c: c.health(), timeout=10.0)
+        view = await on_engine(lambda c: c.health(), timeout=10.0, readonly=True)
         return WorkerHealth(**view, auth=request.scope.get(AUTH_SCOPE, "off")).model_dump()
 
     async def set_faults(body: FaultsRequest) -> dict:
@@ -76,7 +76,7 @@ def worker_app(engine: AsyncEngine, metrics: ServingMetrics, faults: bool = Fals
         return {"spec": body.spec}
 
     async def debug_view() -> dict:
-        return await on_engine(lambda c: c.debug_view())
+        return await on_engine(lambda c: c.debug_view(), readonly=True)
 
     if faults:
         routes.add_api_route("/debug/faults", set_faults, methods=["POST"])
@@ -134,7 +134,7 @@ def serve_worker(config: KVRelayConfig, role: str) -> None:
     check_tls(config.security)
     setup_logging(config.server.log_level)
     cls = CORES[role]
-    metrics = ServingMetrics(role, cls.PHASES, lambda: engine.call(lambda c: c.snapshot(), timeout=10))
+    metrics = ServingMetrics(role, cls.PHASES, lambda: engine.call(lambda c: c.snapshot(), timeout=10, readonly=True))
 
     def build_core() -> WorkerCore:  # on the engine thread: it alone touches torch
         loaded = load_with_progress(load_model, config.model)

@@ -289,7 +289,7 @@ class SimWorkerAPI:
         w = self._reach(url)
         await self._connected(w, url, self.cfg.health_timeout)
         try:
-            view = await w.engine.acall(lambda c: c.health(), timeout=self.cfg.health_timeout)
+            view = await w.engine.acall(lambda c: c.health(), timeout=self.cfg.health_timeout, readonly=True)
         except TimeoutError:
             raise TimeoutError(f"{url}: ReadTimeout") from None   # as WorkerAPI.health: accepted, no answer
         except AttributeError:
@@ -299,7 +299,7 @@ class SimWorkerAPI:
     async def debug_requests(self, url: str) -> dict:
         try:
             w = self._reach(url)
-            return await w.engine.acall(lambda c: c.debug_view(), timeout=self.cfg.health_timeout)
+            return await w.engine.acall(lambda c: c.debug_view(), timeout=self.cfg.health_timeout, readonly=True)
         except (LegFailure, TimeoutError, AttributeError) as exc:
             return {"error": str(exc)}
 

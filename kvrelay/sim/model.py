@@ -112,7 +112,10 @@ class HashModel:
 
 class HashRunner:
     """`engine.runner.ModelRunner`'s interface over the chained-hash slots. `work` counts
-    the token positions computed since the simulation last reset it (its cost model)."""
+    the token positions computed since the simulation last reset it (its cost model).
+    A step costs simulated time only after it returns, so nothing can run inside one: it
+    never calls `between_layers`."""
+    CALLS_BETWEEN_LAYERS = False
 
     def __init__(self, model: HashModel, kv) -> None:
         layout = kv.layout
@@ -121,6 +124,7 @@ class HashRunner:
         self.page_bytes, self.page_size = layout.page_bytes, layout.page_size
         self.row = layout.page_size * layout.head_dim * 4    # one head's K row for a page (float32)
         self.work = 0
+        self.between_layers = None
 
     def _at(self, pages: list[int], pos: int) -> int:
         page, off = divmod(pos, self.page_size)

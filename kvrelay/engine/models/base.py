@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -39,11 +39,14 @@ class CausalLM(nn.Module):
     """Contract for every architecture:
 
     - `__init__(arch: ArchConfig)` builds the module with uninitialised weights.
-    - `forward(batch, kv)` computes the new tokens of `batch`; for every layer it first
+    - `forward(batch, kv, after_layer=None)` computes the new tokens of `batch`; for every layer it first
       writes their K and V into the pool (`kv.write(layer, ...)` at `batch.write_pages`,
       `batch.write_offsets`), then attends over the pages of `batch.page_table`
       (`kv.gather(layer, ...)`) under `batch.mask()`.
       It returns float32 logits [B, vocab] for the rows in `batch.logits_index`.
+      `after_layer`, when given, is called with no argument once after each layer, on the
+      calling thread; what it does must not touch the pool pages of `batch` or the model
+      (the engine heartbeats its peers and answers read-only calls there).
     - `load_weights(named)` takes (HF-style name, tensor) pairs, already un-permuted.
     - `prepare(fmt)` runs once after the weights are final (e.g. to pre-pack them for the
       CPU's matmul library, or to quantize them, as `fmt` says); weights must not change
@@ -54,7 +57,7 @@ class CausalLM(nn.Module):
         pass
 
     @abstractmethod
-    def forward(self, batch: ForwardBatch, kv) -> torch.Tensor: ...
+    def forward(self, batch: ForwardBatch, kv, after_layer: Callable[[], None] | None = None) -> torch.Tensor: ...
 
     @abstractmethod
     def load_weights(self, named) -> None: ...

@@ -6,6 +6,8 @@ maps the HF names onto their row slices.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -83,12 +85,14 @@ class LlamaForCausalLM(CausalLM):
                                       arch.rope_scaling)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv, after_layer: Callable[[], None] | None = None) -> torch.Tensor:
         h = self.model.embed_tokens(batch.input_ids)
         meta = AttnMeta.build(batch, self.rotary, h.dtype, kv, self.arch.num_heads // self.arch.num_kv_heads)
         delta = None
         for layer in self.model.layers:
             h, delta = layer(h, delta, meta, kv)
+            if after_layer is not None:
+                after_layer()
         rows = batch.logits_index
         h, _ = self.model.norm.add_and_norm(h[rows], delta[rows])
         head = self.lm_head
