@@ -57,6 +57,13 @@ class Pair:
             e.check_idle(timeout=15)
 
 
+async def reach(engine: AsyncEngine, phase: str, timeout: float = 10.0) -> None:
+    """Return once one of `engine`'s rooms is in `phase` (polled, never a fixed sleep)."""
+    async with asyncio.timeout(timeout):
+        while not (await engine.acall(lambda c: c.debug_view()["phases"], readonly=True)).get(phase):
+            await asyncio.sleep(0.005)
+
+
 @pytest.fixture(params=REAL)
 def pair(request, tiny_loaded):
     p = Pair(tiny_loaded, request.param)
@@ -136,13 +143,13 @@ def test_abort_in_any_phase_ends_both_legs(pair, phase):
 
         if phase == "p-bootstrap":  # P holds the room; D never came: abort it on P
             t = asyncio.create_task(p_leg())
-            await asyncio.sleep(0.2)
+            await reach(pair.P, "bootstrap")
             await pair.P.abort(greq.rid)
             await asyncio.wait_for(t, 10)
             return p_outs, d_outs
         if phase == "d-bootstrap":  # D waits for a P that never hears of the room
             t = asyncio.create_task(d_leg())
-            await asyncio.sleep(0.2)
+            await reach(pair.D, "waiting")   # D reserved its pages and told P, which never heard of the room
             await pair.D.abort(greq.rid)
             await asyncio.wait_for(t, 10)
             return p_outs, d_outs
@@ -243,7 +250,7 @@ def test_decode_failure_before_kv_reaches_prefill(pair):
         # P learns of the room only after D has reserved and sent its destination.
         d = asyncio.create_task(asyncio.wait_for(
             _collect(pair.D.generate(greq, room=room, prefill_address=pair.paddr)), 10))
-        await asyncio.sleep(0.3)
+        await reach(pair.D, "waiting")
         await pair.D.abort(greq.rid)
         douts = await d
         pouts = await asyncio.wait_for(_collect(pair.P.generate(greq, room=room)), 10)
@@ -272,7 +279,7 @@ def test_rejects_bad_legs(pair):
     async def dup():
         greq = greedy("dup-a", range(5, 20), n=2)
         t = asyncio.create_task(_collect(pair.P.generate(greq, room=77)))
-        await asyncio.sleep(0.1)
+        await reach(pair.P, "bootstrap")
         with pytest.raises(RequestRejected):
             await _collect(pair.P.generate(greedy("dup-b", range(5, 20)), room=77))
         await pair.P.abort("dup-a")

@@ -31,8 +31,6 @@ from kvrelay.disagg import wire
 from kvrelay.disagg.lifecycle import Lifecycle, Reason, Room, phase_name, timeout
 from kvrelay.disagg.transfer.base import TransferManager
 
-TERMINAL_PHASES = ("done", "failed", "aborted")
-
 
 @dataclass
 class PeerLease:

@@ -43,9 +43,6 @@ class PageAllocator:
     def num_used(self) -> int:
         return self.num_total - len(self._free)
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
     def _group_of(self, owner: Hashable) -> int:
         group = self._group.get(owner)
         if group is None:

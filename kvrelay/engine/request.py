@@ -59,10 +59,6 @@ class Req:
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
 
-    def token_at(self, pos: int) -> int:
-        p = len(self.prompt_ids)
-        return self.prompt_ids[pos] if pos < p else self.output_ids[pos - p]
-
     def tokens(self, start: int, end: int) -> list[int]:
         return (self.prompt_ids + self.output_ids)[start:end]
 

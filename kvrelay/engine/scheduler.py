@@ -183,15 +183,6 @@ class Scheduler:
         req.finish_reason = reason
         req.error = error
 
-    def find(self, rid: str) -> Req | None:
-        for req in self.running:
-            if req.rid == rid:
-                return req
-        for req in self.waiting:
-            if req.rid == rid:
-                return req
-        return None
-
     @property
     def num_requests(self) -> int:
         return len(self.waiting) + len(self.running)
