@@ -219,7 +219,7 @@ def _variants(raw: dict):
     yield "partial rotary", {**raw, "partial_rotary_factor": 0.5}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_a_config_json_reads_as_transformers_reads_it(arch, tmp_path):
     """kvrelay reads a config.json that states its fields without transformers' config
     classes (they cost seconds at every worker start): every variant gives the same

@@ -107,6 +107,8 @@ TINY_CASES = {
     "llama3-rope": dict(arch="llama", rope_scaling=LLAMA3_ROPE, rope_theta=500000.0),
     "linear-rope": dict(arch="llama", rope_scaling={"rope_type": "linear", "factor": 4.0}),
     "qwen2": dict(arch="qwen2"),
+    "qwen3": dict(arch="qwen3"),
+    "qwen3-biased-tied": dict(arch="qwen3", attention_bias=True, tie_word_embeddings=True),
     "mistral": dict(arch="mistral"),
 }
 
@@ -125,6 +127,26 @@ def test_tiny_prefill_batch_and_decode_match_transformers(tiny_pair):
     loaded, hf = tiny_pair
     prompts = random_prompts(loaded.arch.vocab_size, [5, 17, 1, 9, 70])
     check_prefill_and_decode(loaded, hf, prompts, steps=3)
+
+
+def test_greedy_32_tokens_are_transformers_tokens(tiny_pair):
+    """Each sequence decoded greedily on its own over 32 tokens (a batch of two over the
+    paged pool) gives the tokens transformers' own greedy loop gives."""
+    loaded, hf = tiny_pair
+    prompts = random_prompts(loaded.arch.vocab_size, [7, 21], seed=7)
+    sess = PagedSession(loaded, page_size=4)
+    try:
+        ours = [[t] for t in sess.prefill(prompts, reserve=32).argmax(-1).tolist()]
+        for _ in range(31):
+            for seq, t in zip(ours, sess.decode([seq[-1] for seq in ours]).argmax(-1).tolist()):
+                seq.append(t)
+    finally:
+        sess.close()
+    seqs = [list(p) for p in prompts]
+    for _ in range(32):
+        for seq, t in zip(seqs, reference_last_logits(hf, seqs).argmax(-1).tolist()):
+            seq.append(t)
+    assert ours == [seq[len(p):] for seq, p in zip(seqs, prompts)]
 
 
 def test_tiny_logits_are_not_trivially_small(tiny_pair):

@@ -27,7 +27,7 @@ from kvrelay.core.config import DEFAULT_MODEL, ModelOptions
 from kvrelay.engine import kernels
 from kvrelay.engine.gguf_file import GGUFFile, GGUFFormatError
 from kvrelay.engine.kv_pool import TORCH_DTYPES
-from kvrelay.engine.models import MODELS  # importing the package registers every architecture
+from kvrelay.engine.models import MODELS, model_types  # importing the package registers every architecture
 from kvrelay.engine.models.base import ArchConfig, CausalLM
 from kvrelay.engine.models.linear import QUANTIZED, WeightFormat
 from kvrelay.engine.sources import (TOKENIZER_FILES, ModelLoadError, auto_tokenizer, default_gguf_path,
@@ -38,7 +38,7 @@ __all__ = ["LoadedModel", "ModelLoadError", "load_model", "load_tokenizer", "arc
            "default_gguf_path", "default_tokenizer"]
 
 Progress = Callable[[int, int, str], None]
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_MODEL_TYPES = model_types()   # HF / GGUF model type -> architecture, as the model classes declare
 
 
 @dataclass
@@ -147,12 +147,12 @@ def arch_from_hf_config(cfg) -> ArchConfig:
         max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
         rope_theta=float(theta), rope_scaling=None if kind == "default" else rope,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        attention_bias=name == "Qwen2ForCausalLM" or bool(getattr(cfg, "attention_bias", False)))
+        attention_bias=MODELS.get(name).QKV_BIAS or bool(getattr(cfg, "attention_bias", False)))
 
 
 def _max_model_len(arch: ArchConfig, cfg) -> int:
     # Mistral runs without its sliding window, which is exact only within one window.
-    window = getattr(cfg, "sliding_window", None) if arch.architecture == "MistralForCausalLM" else None
+    window = getattr(cfg, "sliding_window", None) if MODELS.get(arch.architecture).CONTEXT_IS_WINDOW else None
     return min(arch.max_position_embeddings, window or arch.max_position_embeddings)
 
 
@@ -204,10 +204,10 @@ def _finish(model, arch, cfg, tokenizer, name, opts, extra_eos=()) -> LoadedMode
 
 # ---------------------------------------------------------------- HF directory
 
-# A config.json that states every field whose default differs between LlamaConfig,
-# Qwen2Config and MistralConfig is read as it stands: transformers' config classes import
-# much of torch.distributed, seconds at every worker start. Anything else (a field left to
-# its class default, a rope other than the default) is read by AutoConfig.
+# A config.json that states the shape fields is read as it stands, every field it leaves out
+# taking its config class's default (`_SHARED_DEFAULTS`, then the model class's
+# `CONFIG_DEFAULTS`): transformers' config classes import much of torch.distributed, seconds
+# at every worker start. Anything else (a rope other than the default) is read by AutoConfig.
 # tests/test_loader.py checks that both readings give the same model.
 _STATED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "max_position_embeddings", "rms_norm_eps")
@@ -222,16 +222,12 @@ def _stated_config(raw) -> SimpleNamespace | None:
         return None
     if any(raw.get(k) is None for k in _STATED_FIELDS) or "partial_rotary_factor" in raw:
         return None
-    if raw["model_type"] != "qwen2" and "eos_token_id" not in raw:      # their classes default to 2
-        return None
-    if raw["model_type"] == "mistral" and "sliding_window" not in raw:  # MistralConfig defaults to 4096
-        return None
     for key in ("rope_scaling", "rope_parameters"):
         rope = raw.get(key)
         if rope is not None and (not isinstance(rope, dict) or set(rope) - {"rope_type", "type", "rope_theta"}
                                  or rope.get("rope_type", rope.get("type", "default")) != "default"):
             return None
-    return SimpleNamespace(**{**_SHARED_DEFAULTS, **raw})
+    return SimpleNamespace(**{**_SHARED_DEFAULTS, **MODELS.get(_MODEL_TYPES[raw["model_type"]]).CONFIG_DEFAULTS, **raw})
 
 
 def _hf_config(path: Path):
@@ -333,7 +329,7 @@ _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "o
 _GGUF_BLOCK = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 # GGUF metadata key (after "<arch>.") -> HF config key.
@@ -342,6 +338,7 @@ _GGUF_CONFIG = {
     "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
     "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
     "attention.layer_norm_rms_epsilon": "rms_norm_eps", "rope.freq_base": "rope_theta",
+    "attention.key_length": "head_dim",
     "vocab_size": "vocab_size",
 }
 
@@ -401,7 +398,7 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def _gguf_tensors(reader: GGUFFile, cfg, path: Path):
-    permute = cfg.model_type in ("llama", "mistral")
+    permute = MODELS.get(_MODEL_TYPES[cfg.model_type]).GGUF_PERMUTED_QK
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
 
     def decode(t) -> tuple[str, torch.Tensor]:
@@ -444,7 +441,7 @@ def _load_gguf(path: Path, opts: ModelOptions, progress, device, name: str) -> L
     if opts.quantization == "gguf":   # each Linear also keeps its blocks as stored, rows un-permuted
         from kvrelay.engine.models.quant_linear import attach_gguf_raw
         heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
-        permute = cfg.model_type in ("llama", "mistral")
+        permute = MODELS.get(_MODEL_TYPES[cfg.model_type]).GGUF_PERMUTED_QK
 
         def raw(t):
             rows, kind = torch.from_numpy(reader.blocks(t)), t.name.split(".")[2] if t.name.startswith("blk.") else ""

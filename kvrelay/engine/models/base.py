@@ -51,7 +51,23 @@ class CausalLM(nn.Module):
     - `prepare(fmt)` runs once after the weights are final (e.g. to pre-pack them for the
       CPU's matmul library, or to quantize them, as `fmt` says); weights must not change
       afterwards.
+
+    Each class declares itself to the one generic loader (`engine.loader`) with the class
+    attributes below; a new architecture is a new module and one line in `models/__init__.py`.
     """
+
+    MODEL_TYPES: tuple[str, ...] = ()
+    """Hugging Face `model_type` values (also GGUF `general.architecture`) it serves."""
+    CONFIG_DEFAULTS: dict = {}
+    """Defaults of its transformers config class that differ from the shared ones
+    (`loader._SHARED_DEFAULTS`), so a config.json that leaves them out still reads as
+    transformers reads it."""
+    GGUF_PERMUTED_QK = False
+    """GGUF stores q/k projection rows permuted for llama.cpp's RoPE layout (undone on load)."""
+    QKV_BIAS = False
+    """q, k and v carry a bias whatever the config's `attention_bias` says (Qwen2)."""
+    CONTEXT_IS_WINDOW = False
+    """Served without its sliding window, so the context is capped at the window (Mistral)."""
 
     def prepare(self, fmt: WeightFormat | None = None) -> None:
         pass
@@ -64,3 +80,8 @@ class CausalLM(nn.Module):
 
 
 MODELS: Registry[type[CausalLM]] = Registry("model architecture")
+
+
+def model_types() -> dict[str, str]:
+    """Hugging Face / GGUF model type -> registered architecture name."""
+    return {t: name for name in MODELS.names() for t in MODELS.get(name).MODEL_TYPES}

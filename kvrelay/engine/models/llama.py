@@ -32,15 +32,21 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttnMeta, kv) -> torch.Tensor:
         qkv = self.qkv_proj(x).view(-1, self.hq + 2 * self.hkv, self.d)
+        self.before_rope(qkv)
         q, k, v = rope_and_store(qkv, self.hq, self.hkv, meta, kv, self.attn.layer)
         return self.o_proj(self.attn(q, k, v, meta, kv))
 
+    def before_rope(self, qkv: torch.Tensor) -> None:
+        """What an architecture does to q, k, v [T, heads, D] in place before RoPE (Qwen3's
+        per-head norms); Llama does nothing."""
+
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, layer: int, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, arch: ArchConfig, layer: int, qkv_bias: bool, o_bias: bool,
+                 attention: type[LlamaAttention]) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, layer, qkv_bias, o_bias)
+        self.self_attn = attention(arch, layer, qkv_bias, o_bias)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = SwiGLU(arch.hidden_size, arch.intermediate_size)
 
@@ -54,28 +60,32 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ArchConfig, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, arch: ArchConfig, qkv_bias: bool, o_bias: bool, attention: type[LlamaAttention]) -> None:
         super().__init__()
         # An uninitialised weight: it is loaded or set by init_random_weights (see Linear).
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
                                          _weight=torch.empty(arch.vocab_size, arch.hidden_size))
         self.embed_tokens.gguf_raw = None   # its GGUF blocks, for a tied head under --quantization gguf
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, qkv_bias, o_bias)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, qkv_bias, o_bias, attention)
                                     for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
 @MODELS.register("LlamaForCausalLM")
 class LlamaForCausalLM(CausalLM):
+    MODEL_TYPES = ("llama",)
+    CONFIG_DEFAULTS = {"eos_token_id": 2}
+    GGUF_PERMUTED_QK = True
     # `arch.attention_bias` puts a bias on q, k, v and o in Llama, on q, k, v only in Qwen2.
     o_proj_bias = True
+    attention: type[LlamaAttention] = LlamaAttention
 
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
         self.arch = arch
         qkv_bias = arch.attention_bias
         o_bias = arch.attention_bias and self.o_proj_bias
-        self.model = LlamaModel(arch, qkv_bias, o_bias)
+        self.model = LlamaModel(arch, qkv_bias, o_bias, self.attention)
         # Tied: the head reads embed_tokens.weight, so no second parameter can drift from it.
         self.lm_head = (None if arch.tie_word_embeddings
                         else Linear(arch.hidden_size, arch.vocab_size, bias=False))
@@ -157,9 +167,16 @@ class LlamaForCausalLM(CausalLM):
 @MODELS.register("MistralForCausalLM")
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral without sliding window: the loader caps the context at the window instead."""
+    MODEL_TYPES = ("mistral",)
+    CONFIG_DEFAULTS = {"eos_token_id": 2, "sliding_window": 4096}
+    CONTEXT_IS_WINDOW = True
 
 
 @MODELS.register("Qwen2ForCausalLM")
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2: q/k/v bias (the loader sets `attention_bias` for it), no sliding window."""
+    MODEL_TYPES = ("qwen2",)
+    CONFIG_DEFAULTS = {}
+    GGUF_PERMUTED_QK = False
+    QKV_BIAS = True
     o_proj_bias = False

@@ -13,7 +13,7 @@ import torch
 
 from kvrelay.engine.models.base import ArchConfig
 
-_CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
+_CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}
 
 
 def tiny_config_kwargs(arch: str = "llama", vocab_size: int = 49152, **overrides) -> dict:
@@ -24,6 +24,8 @@ def tiny_config_kwargs(arch: str = "llama", vocab_size: int = 49152, **overrides
               tie_word_embeddings=arch == "qwen2", bos_token_id=1, eos_token_id=2)
     if arch == "mistral":
         kw["sliding_window"] = None
+    if arch == "qwen3":   # a head_dim other than hidden / heads, as the released Qwen3 models have
+        kw["head_dim"] = 32
     kw.update(overrides)
     return kw
 
@@ -37,7 +39,7 @@ def tiny_arch_config(architecture: str = "LlamaForCausalLM", **overrides) -> Arc
 
 
 def make_tiny_model_dir(path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Write a tiny random `arch` ("llama", "qwen2", "mistral") model to `path` and return it.
+    """Write a tiny random `arch` ("llama", "qwen2", "qwen3", "mistral") model to `path` and return it.
     `overrides` are HF config fields (e.g. rope_scaling=..., num_hidden_layers=2)."""
     import transformers
     from transformers import AutoModelForCausalLM
