@@ -246,8 +246,8 @@ class WorkerCore(EngineCore):
         running, waiting = (sum(len(phases.get(p, ())) for p in names)
                             for names in (self.RUNNING_PHASES, self.QUEUED_PHASES))
         return Snapshot(phases=phases, overdue=overdue, engine=self.engine_stats(running, waiting),
-                        counters={"kvrelay_transfer_bytes": getattr(m, "bytes_written", 0),
-                                  "kvrelay_transfer_seconds": getattr(m, "write_seconds", 0.0)},
+                        counters={"kvrelay_transfer_bytes": m.bytes_written,
+                                  "kvrelay_transfer_seconds": m.write_seconds},
                         gauges={"kvrelay_kv_pages_quarantined": sum(len(q.pages) for q in
                                                                     getattr(self.side, "quarantine", {}).values())})
 

@@ -1,7 +1,8 @@
 """KV transfer backends, chosen with --transfer-backend and imported only when chosen.
 
-Every backend is a `transfer.common.CommonManager` subclass implementing the data hooks
-documented there; the contract is in `transfer.base`.
+Every backend is a `transfer.common.CommonManager` subclass implementing the data path
+(`transfer.base.DataPath`); the contract is in `transfer.base`. A new backend is one module
+and one `register_lazy` line here: the CLI's choices and every test matrix read this registry.
 """
 from __future__ import annotations
 

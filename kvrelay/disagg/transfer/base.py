@@ -28,10 +28,13 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrelay.core.kvlayout import KVLayout
 from kvrelay.disagg import wire
+
+if TYPE_CHECKING:
+    from kvrelay.disagg.channel import Received
 
 
 class TransferStatus(enum.IntEnum):
@@ -212,6 +215,10 @@ class TransferManager(ABC):
     worker_id: str
     incarnation: str
     layout: KVLayout
+    # Counts and stats (P side), read by the worker's /metrics and its debug view.
+    bytes_written: int = 0       # KV bytes of completed writes
+    write_seconds: float = 0.0   # their summed durations, start to every byte landed
+    writes_done: int = 0
 
     @abstractmethod
     def allocate_pool(self, num_pages: int) -> memoryview:
@@ -260,3 +267,69 @@ class TransferManager(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+
+class DataPath(ABC):
+    """What a backend implements: moving a room's bytes. The manager (`transfer.common`)
+    does everything else: bootstrap, dispatch of control messages to senders and receivers,
+    acks, notices, Stopped, heartbeats, abort semantics, fault injection (a "hang" job is
+    never started and never confirms a stop; a "fail" job fails before `write_start`). Only
+    `write_start` must be implemented; a backend gets `self.pool`, `self.layout`,
+    `self.channel` and the helpers `owner_ok`, `mark_landed`, `seal_blob`, `open_blob` from
+    the manager.
+
+    P side, every backend:
+      `write_start(job)` begins writing `job.runs` from `self.pool` into the peer's pool. It
+      never blocks: it finishes synchronously (`job.finish()` / `job.fail(detail)`) or leaves
+      the job PENDING and finishes it from `write_progress`. It adds the bytes it hands off
+      (queued, copied) to `job.bytes_sent` as they go: a pending write whose count stops
+      growing while none of its peer's pages land is failed within the lease, unless the
+      class sets `opaque_writes` (its writes report nothing in flight).
+      `write_progress(job)` is called on every `progress()` while the job is PENDING.
+      `write_cancel(job)`: the room failed, stop the job. It returns True once no byte of it
+      can land anymore; a one-sided write that may still land returns False and is asked
+      again on every `progress()`. Stopped goes to D only after True.
+    D side, two-sided backends:
+      `on_data(received)` gets every message kind the manager does not know (the backend's
+      KV frames). It copies bytes into `self.pool` ONLY IF `self.owner_ok(room, epoch,
+      dst_pages)`, then calls `self.mark_landed(room, epoch, dst_pages)`.
+    Both sides: `allocate_pool`, `endpoint`, `connect`, `disconnect`, `close_backend` and
+    `max_data_frame` (the largest raw data frame it sends: the channel's per-frame size
+    limit is sized from it), each with the default below.
+    """
+    layout: KVLayout
+    pool: memoryview | None = None
+
+    @abstractmethod
+    def write_start(self, job: WriteJob) -> None: ...
+
+    def write_progress(self, job: WriteJob) -> None:
+        pass
+
+    def write_cancel(self, job: WriteJob) -> bool:
+        return True
+
+    def on_data(self, received: "Received") -> None:
+        pass
+
+    def allocate_pool(self, num_pages: int) -> memoryview:
+        """Default: a private bytearray (shm and nixl place it in shared or registered memory)."""
+        if self.pool is not None:
+            raise RuntimeError("the KV pool is allocated once per worker")
+        self.pool = memoryview(bytearray(num_pages * self.layout.page_bytes))
+        return self.pool
+
+    def endpoint(self) -> dict:
+        return {}
+
+    def connect(self, peer: PeerInfo) -> None:
+        pass
+
+    def disconnect(self, peer: PeerInfo) -> None:
+        """The peer was forgotten or restarted."""
+
+    def close_backend(self) -> None:
+        pass
+
+    def max_data_frame(self) -> int:
+        return 0

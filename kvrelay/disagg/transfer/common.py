@@ -1,36 +1,9 @@
-"""The shared implementation of the transfer contract over the control channel.
+"""The manager every backend shares: the transfer contract over the control channel.
 
-`CommonManager` does everything but move bytes: bootstrap, dispatch of messages to senders
-and receivers, acks, notices, Stopped, heartbeat plumbing, abort semantics. A backend
-subclasses it and implements only the data hooks (all optional except where noted):
-
-  P side (every backend)
-    write_start(job)     begin writing job.runs from self.pool into the peer's pool. Never
-                         block: finish synchronously with job.finish()/job.fail(detail), or
-                         leave it PENDING and finish it from write_progress. Add the bytes
-                         handed off (queued, copied) to job.bytes_sent as they go: a pending
-                         write whose count stops growing while none of its peer's pages land
-                         is failed within the lease, unless the class sets `opaque_writes`
-                         (its writes report nothing in flight).
-    write_progress(job)  called every progress() while job is PENDING.
-    write_cancel(job)    the room failed: stop the job. Return True once no byte of it can
-                         land anymore (one-sided backends must not lie: a write that may
-                         still land returns False; it is asked again every progress()).
-                         Stopped is sent to D only after True.
-  D side (two-sided backends)
-    on_data(received)    a message kind the core does not know (the backend's KV frames).
-                         Copy bytes into self.pool ONLY IF self.owner_ok(room, epoch,
-                         dst_pages), then call self.mark_landed(room, epoch, dst_pages).
-  both sides
-    allocate_pool(n)     default: a private bytearray; shm/nixl override (shared / registered).
-    endpoint()           default {}; what BootstrapQuery/Info publish about the data path.
-    connect(peer)        default no-op; called once per bootstrapped peer incarnation.
-    disconnect(peer)     default no-op; peer forgotten or restarted.
-    close_backend()      default no-op.
-    max_data_frame()     default 0; the largest raw data frame it sends (the channel's
-                         per-frame size limit is sized from it).
-Faults: `self.faults.transfer_fault()` is consulted here before write_start ("hang" never
-starts the job and never confirms a stop; "fail" fails it), so backends get it for free.
+`CommonManager` does everything but move bytes: bootstrap, dispatch of messages to the
+rooms' senders and receivers (`transfer.endpoints`), acks, notices, Stopped, heartbeat
+plumbing, abort semantics. A backend subclasses it and implements the data path
+(`transfer.base.DataPath`: `write_start` and the optional hooks), fault injection included.
 
 Authentication comes first, in the channel (`auth=`, disagg.auth): with a cluster key, a
 frame not sealed with it is dropped before its header is parsed, so everything below
@@ -51,18 +24,17 @@ rooms waiting on it fail, nothing else. What a frame carries that only state can
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
-from kvrelay.core import ids, mutation
+from kvrelay.core import ids
 from kvrelay.core.clock import Clock, MonotonicClock
 from kvrelay.core.config import LifecycleConfig, TransferConfig
-from kvrelay.core.kvlayout import KVLayout, paired_runs
+from kvrelay.core.kvlayout import KVLayout
 from kvrelay.disagg import wire
 from kvrelay.disagg.auth import ChannelAuth
 from kvrelay.disagg.channel import Channel, Received, ZmqChannel
 from kvrelay.disagg.faults import Faults, FaultSpec, FaultyChannel
-from kvrelay.disagg.transfer.base import (KVReceiver, KVSender, PeerInfo, TransferManager,
-                                          TransferStatus, WriteJob, WriteState)
+from kvrelay.disagg.transfer.base import DataPath, PeerInfo, TransferManager, TransferStatus, WriteJob
+from kvrelay.disagg.transfer.endpoints import CommonReceiver, CommonSender, peer_reason
 from kvrelay.obs.metrics import reject_input
 
 S = TransferStatus
@@ -72,252 +44,7 @@ MAX_PEERS = 128          # bootstrapped peers one worker keeps
 MAX_EARLY_ROOMS = 4096   # rooms with messages buffered before the router's leg arrived
 
 
-class _Endpoint:
-    """Fail/abort bookkeeping shared by sender and receiver."""
-    status: TransferStatus
-    failure_reason: str | None = None
-    failure_detail: str = ""
-
-    def poll(self) -> TransferStatus:
-        return self.status
-
-    def _set_failed(self, reason: str, detail: str) -> bool:
-        """-> True if this call moved the endpoint to FAILED."""
-        if self.status is S.FAILED:
-            return False
-        self.status, self.failure_reason, self.failure_detail = S.FAILED, reason, detail
-        return True
-
-
-def _notice_kind(reason: str) -> str:
-    return "aborted" if reason == "aborted" else "failed"
-
-
-# A failed transfer (or a request the pair cannot serve) is one event for both sides: it
-# keeps its code, so both legs and the client report it alike. Any other failure of the
-# peer (its own deadline, its death) is `peer_failed` here; the detail names the cause.
-_SHARED_REASONS = ("transfer_error", "invalid_request")
-
-
-def _peer_reason(notice: wire.Notice) -> str:
-    if notice.kind == "aborted":
-        return "aborted"
-    return notice.reason if notice.reason in _SHARED_REASONS else "peer_failed"
-
-
-class CommonSender(_Endpoint, KVSender):
-    def __init__(self, manager: "CommonManager", room: int) -> None:
-        self.m, self.room = manager, room
-        self.status = S.BOOTSTRAPPING
-        self.dest: wire.Destination | None = None
-        self.peer_address: str | None = None
-        self.epoch: int | None = None
-        self.job: WriteJob | None = None
-        self.pending_aux: wire.Aux | None = None
-        self.aux_sent = False
-        self.stopped_sent = False
-
-    @property
-    def bytes_sent(self) -> int:
-        return self.job.bytes_sent if self.job is not None else 0
-
-    def init(self, destination: wire.Destination, src: str) -> None:
-        if self.dest is not None:
-            return  # duplicate or late: the first destination stands
-        if self.status is S.FAILED:  # failed before D spoke: tell it now; nothing was written
-            reason = self.failure_reason or ""
-            if not mutation.on("no_p_to_d_abort"):  # P's aborts and failures are never propagated to D
-                self.m.channel.send(src, wire.Notice(self.room, destination.epoch, _notice_kind(reason), reason))
-            self.m.channel.send(src, wire.Stopped(self.room, destination.epoch))
-            return
-        self.dest, self.peer_address, self.epoch = destination, src, destination.epoch
-        self.status = S.WAITING
-
-    def send(self, src_pages: list[int], aux: wire.Aux) -> None:
-        if self.status is not S.WAITING:
-            if self.status is S.FAILED:
-                return
-            raise RuntimeError(f"send() on room {self.room} in {self.status.name}")
-        dest = self.dest
-        assert dest is not None and self.peer_address is not None
-        if len(src_pages) != len(dest.dst_pages):
-            self._fail("invalid_request",
-                       f"{len(src_pages)} KV pages for {len(dest.dst_pages)} destination pages")
-            return
-        peer = self.m.peers().get(self.peer_address)
-        if peer is None:
-            self._fail("peer_failed", "decode worker not bootstrapped (or forgotten)")
-            return
-        bad = self.m.bad_destination(dest, peer)
-        if bad:
-            self._fail("invalid_request", bad)
-            return
-        self.pending_aux = replace(aux, room=self.room, epoch=dest.epoch)
-        runs = paired_runs(src_pages, dest.dst_pages, self.m.layout.page_bytes)
-        self.job = WriteJob(self.room, dest.epoch, peer, tuple(src_pages), dest.dst_pages, runs, aux=self.pending_aux)
-        self.status = S.TRANSFERRING
-        self.m.start_job(self.job)
-        self.pump()
-
-    def pump(self) -> None:
-        """Advance the write; send aux once it is done; send Stopped once a failed write
-        has quiesced."""
-        job = self.job
-        if self.status is S.FAILED:
-            if job is not None and job.state is WriteState.PENDING and self.m.cancel_job(job):
-                job.state = WriteState.CANCELLED
-            if not self.stopped_sent and (job is None or job.state is not WriteState.PENDING):
-                self._send_stopped()
-            return
-        if job is None or self.status is not S.TRANSFERRING:
-            return
-        if job.state is WriteState.PENDING:
-            self.m.progress_job(job)
-        if job.state is WriteState.FAILED:
-            self._fail("transfer_error", job.detail or "write failed")
-        elif job.state is WriteState.DONE and not self.aux_sent:
-            self.aux_sent = True
-            self.m.record_write(job)
-            if not job.aux_in_band:
-                self.resend()
-
-    def _send_stopped(self) -> None:
-        self.stopped_sent = True
-        if self.dest is not None and self.peer_address is not None:
-            self.m.channel.send(self.peer_address, wire.Stopped(self.room, self.dest.epoch))
-
-    def on_ack(self, ack: wire.Ack) -> None:
-        if self.status is S.TRANSFERRING and self.aux_sent and ack.epoch == self.epoch:
-            self.status = S.SUCCESS
-
-    def on_notice(self, notice: wire.Notice) -> None:
-        if self.epoch is None or notice.epoch in (self.epoch, 0):
-            self._fail(_peer_reason(notice), f"decode: {notice.reason}", notify=False)
-
-    def abort(self, reason: str, detail: str = "") -> None:
-        if mutation.on("poll_ignores_abort"):  # the seeds' bug: poll() ignores the abort flag
-            return
-        if self.status is S.SUCCESS:  # D has everything: nothing to tell it
-            self.status, self.failure_reason, self.failure_detail = S.FAILED, reason, detail
-            self.stopped_sent = True
-            return
-        self._fail(reason, detail)
-
-    def _fail(self, reason: str, detail: str, notify: bool = True) -> None:
-        if not self._set_failed(reason, detail):
-            return
-        if mutation.on("no_p_to_d_abort"):  # P's aborts and failures are never propagated to D
-            notify = False
-        if notify and self.dest is not None and self.peer_address is not None:
-            self.m.channel.send(self.peer_address, wire.Notice(self.room, self.dest.epoch,
-                                                               _notice_kind(reason), reason))
-        self.pump()
-
-    def resend(self) -> None:
-        if self.aux_sent and self.status is S.TRANSFERRING and self.pending_aux and self.peer_address:
-            self.m.channel.send(self.peer_address, self.pending_aux)
-
-    def close(self) -> None:
-        self.m.close_sender(self)
-
-
-class CommonReceiver(_Endpoint, KVReceiver):
-    def __init__(self, manager: "CommonManager", room: int) -> None:
-        self.m, self.room = manager, room
-        self.status = S.BOOTSTRAPPING
-        self.peer_address: str | None = None
-        self.pages: tuple[int, ...] = ()
-        self.epoch: int | None = None
-        self.landed: set[int] = set()
-        self._aux: wire.Aux | None = None
-        self.stopped = False
-        self.dest: wire.Destination | None = None
-
-    def init(self, prefill_address: str) -> None:
-        self.peer_address = prefill_address
-        self.m.bootstrap(self)
-
-    def on_peer(self, peer: PeerInfo) -> None:
-        """P's BootstrapInfo arrived (or was already known)."""
-        if self.status is not S.BOOTSTRAPPING:
-            return
-        bad = self.m.layout.mismatches(peer.layout)
-        if bad:
-            self._fail("invalid_request", "KV layout mismatch: " + ", ".join(bad))
-        else:
-            self.status = S.WAITING
-
-    def send_metadata(self, page_ids: list[int], epoch: int) -> None:
-        if self.status is not S.WAITING:
-            if self.status is S.FAILED:
-                return
-            raise RuntimeError(f"send_metadata() on room {self.room} in {self.status.name}")
-        self.pages, self.epoch = tuple(page_ids), epoch
-        self.m.own_pages(self)
-        self.dest = wire.Destination(self.room, epoch, self.pages, self.m.worker_id,
-                                     self.m.incarnation, self.m.hb_seq)
-        self.status = S.TRANSFERRING
-        self.resend()
-
-    def resend(self) -> None:
-        if self.dest is not None and self.status is S.TRANSFERRING and self.peer_address:
-            self.m.channel.send(self.peer_address, self.dest)
-
-    def on_aux(self, aux: wire.Aux) -> None:
-        if aux.epoch != self.epoch:
-            return
-        if self.status is S.SUCCESS:
-            self.m.send_ack(self.peer_address, wire.Ack(self.room, aux.epoch))  # P lost the ack
-        elif self.status is S.TRANSFERRING:
-            self._aux = aux
-            self._maybe_done()
-
-    def _maybe_done(self) -> None:
-        complete = self.m.one_sided or len(self.landed) == len(self.pages)
-        if self.status is S.TRANSFERRING and self._aux is not None and complete:
-            self.status = S.SUCCESS
-            self.m.send_ack(self.peer_address, wire.Ack(self.room, self._aux.epoch))
-
-    def on_notice(self, notice: wire.Notice) -> None:
-        if self.epoch is None or notice.epoch in (self.epoch, 0):
-            self._fail(_peer_reason(notice), f"prefill: {notice.reason}", notify=False)
-
-    def on_stopped(self, msg: wire.Stopped) -> None:
-        if msg.epoch == self.epoch:
-            self.stopped = True
-
-    def aux(self) -> wire.Aux | None:
-        return self._aux if self.status is S.SUCCESS else None
-
-    def progress(self) -> int:
-        return len(self.landed)
-
-    def abort(self, reason: str, detail: str = "") -> None:
-        if mutation.on("poll_ignores_abort"):  # the seeds' bug: poll() ignores the abort flag
-            return
-        self._fail(reason, detail)
-
-    def _fail(self, reason: str, detail: str, notify: bool = True) -> None:
-        if self._set_failed(reason, detail) and notify and self.peer_address:
-            self.m.channel.send(self.peer_address, wire.Notice(self.room, self.epoch or 0,
-                                                               _notice_kind(reason), reason))
-
-    def ask_stopped(self) -> None:
-        if self.may_still_write() and self.peer_address and self.dest is not None:
-            reason = self.failure_reason or ""
-            self.m.channel.send(self.peer_address, wire.Notice(self.room, self.dest.epoch,
-                                                               _notice_kind(reason), reason))
-            self.m.channel.send(self.peer_address, self.dest)
-
-    def may_still_write(self) -> bool:
-        return (self.m.one_sided and self.status is S.FAILED and self.dest is not None
-                and not self.stopped)
-
-    def close(self) -> None:
-        self.m.close_receiver(self)
-
-
-class CommonManager(TransferManager):
+class CommonManager(DataPath, TransferManager):
     name = "common"
     one_sided = False
     opaque_writes = False
@@ -359,40 +86,6 @@ class CommonManager(TransferManager):
         self.bytes_written = 0       # P: KV bytes of completed writes
         self.write_seconds = 0.0     # P: their summed durations (start to every byte landed)
         self.writes_done = 0
-
-    # ---- backend hooks (see module docstring) ----------------------------------------
-    def allocate_pool(self, num_pages: int) -> memoryview:
-        if self.pool is not None:
-            raise RuntimeError("the KV pool is allocated once per worker")
-        self.pool = memoryview(bytearray(num_pages * self.layout.page_bytes))
-        return self.pool
-
-    def endpoint(self) -> dict:
-        return {}
-
-    def connect(self, peer: PeerInfo) -> None:
-        pass
-
-    def disconnect(self, peer: PeerInfo) -> None:
-        pass
-
-    def write_start(self, job: WriteJob) -> None:
-        raise NotImplementedError(f"{type(self).__name__} moves no data")
-
-    def write_progress(self, job: WriteJob) -> None:
-        pass
-
-    def write_cancel(self, job: WriteJob) -> bool:
-        return True
-
-    def on_data(self, received: Received) -> None:
-        pass
-
-    def close_backend(self) -> None:
-        pass
-
-    def max_data_frame(self) -> int:
-        return 0
 
     # ---- helpers for backends ----------------------------------------------------------
     def owner_ok(self, room: int, epoch: int, dst_pages) -> bool:
@@ -449,6 +142,13 @@ class CommonManager(TransferManager):
         lease = self.lifecycle.heartbeat_interval * self.lifecycle.heartbeat_misses
         if job.fault is None and (heard is None or self.clock.now() - heard < lease):
             self.write_progress(job)
+
+    def deliver_room_message(self, got: Received) -> None:
+        """A room's Aux or Ack that reached this worker through the data path (NIXL's
+        notifications) from a bootstrapped peer the backend has authenticated: it proves
+        the peer alive, and goes to the room's endpoint as if it came over the channel."""
+        self._heard[got.src] = self.clock.now()
+        self._dispatch_room(got)
 
     def cancel_job(self, job: WriteJob) -> bool:
         if job.fault == "hang":
@@ -706,7 +406,7 @@ class CommonManager(TransferManager):
         still come, starts failed and never writes into pages D has released."""
         self._early.pop(room, None)
         snd = CommonSender(self, room)
-        snd._set_failed(_peer_reason(notice), f"decode: {notice.reason}")
+        snd._set_failed(peer_reason(notice), f"decode: {notice.reason}")
         snd.init(dest, src)   # a failed sender answers Notice + Stopped
         snd.stopped_sent = True
         self._tombstone(snd)

@@ -119,8 +119,7 @@ class NixlManager(CommonManager):
                 if not (isinstance(remote, tuple) and remote[0] == agent):
                     reject_input("control", "unknown_peer", got.msg.KIND, got.src)  # not the agent src bootstrapped
                     continue
-                self._heard[got.src] = self.clock.now()
-                self._dispatch_room(got)
+                self.deliver_room_message(got)
         super().progress()
 
     def send_ack(self, dst: str, ack: wire.Ack) -> None:
