@@ -27,7 +27,7 @@ def test_happy_path_moves_exact_bytes(backend):
     try:
         H.request(1, n_pages=3)
         H.to_phase(1, "P", "queued")
-        dst = list(H.D.lc.rooms[1].data["pages"])
+        dst = list(H.D.lc.rooms[1].data.pages)
         H.prefill(1)
         ready = []
         assert H.run_until(lambda: bool(ready.extend(H.D.take_ready()) or ready))
@@ -178,7 +178,7 @@ def test_peer_that_forgets_a_room(backend, forgetter):
             r = H.D.lc.rooms.pop(1)
             H.D._receivers.pop(1).close()
             H.dalloc.free(1)
-            r.data.clear()
+            r.data.pages = None   # its pages went back to the pool above
         watcher = "D" if forgetter == "P" else "P"
         assert H.run_until(lambda: H.event(watcher, 1) is not None, 2 * LEASE)
         t, ev = H.event(watcher, 1)

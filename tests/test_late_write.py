@@ -21,7 +21,7 @@ def test_late_write_never_corrupts_the_new_owner(backend, failure):
         H.request(1)
         H.prefill(1)                                   # the write hangs: it never started
         old_job = H.P._senders[1].job
-        old_pages = list(H.D.lc.rooms[1].data["pages"])
+        old_pages = list(H.D.lc.rooms[1].data.pages)
         if failure == "decode_abort":
             H.D.abort(1)
         assert H.run_until(lambda: H.event("D", 1) is not None and H.event("P", 1) is not None, 10)
@@ -33,7 +33,7 @@ def test_late_write_never_corrupts_the_new_owner(backend, failure):
         H.prefill(2, seed=222)
         ready = []
         assert H.run_until(lambda: bool(ready.extend(H.D.take_ready()) or ready), 10)
-        new_pages = list(H.D.lc.rooms[2].data["pages"])
+        new_pages = list(H.D.lc.rooms[2].data.pages)
         if one_sided:
             assert not set(new_pages) & set(old_pages)  # quarantined pages were not reused
         else:
@@ -103,7 +103,7 @@ def test_a_room_prefill_never_got_does_not_hold_the_quarantine(backend):
     try:
         H.request(1, on_p=False)
         H.to_phase(1, "D", "waiting")
-        pages = list(H.D.lc.rooms[1].data["pages"])
+        pages = list(H.D.lc.rooms[1].data.pages)
         H.D.abort(1)
         t0 = H.clock.now()
         assert H.run_until(lambda: 1 not in H.D.lc.rooms and not H.D.quarantine, 10)
@@ -114,7 +114,7 @@ def test_a_room_prefill_never_got_does_not_hold_the_quarantine(backend):
         H.prefill(2, seed=222)
         ready = []
         assert H.run_until(lambda: bool(ready.extend(H.D.take_ready()) or ready), 10)
-        assert sorted(H.D.lc.rooms[2].data["pages"]) == sorted(pages)
+        assert sorted(H.D.lc.rooms[2].data.pages) == sorted(pages)
         before = checksum(H.d_pages(pages))
 
         H.request(1, on_d=False)                        # room 1's leg reaches P at last

@@ -119,7 +119,7 @@ def test_a_transfer_that_keeps_landing_pages_survives_many_heartbeats(backend):
     try:
         H.request(1, n_pages=12)
         H.to_phase(1, "P", "queued")
-        dst = list(H.D.lc.rooms[1].data["pages"])
+        dst = list(H.D.lc.rooms[1].data.pages)
         H.prefill(1)
         t0 = H.clock.now()
         assert H.run_until(lambda: ready(H, 1), 30), (H.P.live(), H.D.live(), H.events)
@@ -345,7 +345,7 @@ def test_a_full_socket_that_drains_slowly_is_never_failed(monkeypatch):
         sock = FullSocket(H, window=2)
         H.request(1, n_pages=16)
         H.to_phase(1, "P", "queued")
-        dst = list(H.D.lc.rooms[1].data["pages"])
+        dst = list(H.D.lc.rooms[1].data.pages)
         H.prefill(1)
         t0 = H.clock.now()
         H.step(int(3 * LEASE / DT))

@@ -60,7 +60,7 @@ def test_fuzzed_frames_affect_no_live_room():
             assert len(m.channel.inner.sockets()) <= MAX_SOCKETS
         pages = H.prefill(LIVE)
         assert H.run_until(lambda: LIVE in [r for r, _ in H.D.take_ready()] or H.phase("D", LIVE) == "decode")
-        d_pages = H.D.lc.rooms[LIVE].data["pages"]
+        d_pages = H.D.lc.rooms[LIVE].data.pages
         assert H.d_pages(d_pages) == pattern(LIVE, len(pages) * LAYOUT.page_bytes)
         H.D.finish(LIVE)
         H.assert_no_leak()

@@ -39,6 +39,14 @@ Reserve = Callable[[int, int], "tuple[list[int], int] | None"]
 
 
 @dataclass
+class DecodeRoom:
+    """D's own state of a room: the pages its KV needs, and once reserved, which (epoch)."""
+    n_pages: int
+    pages: list[int] | None = None   # reserved in the pool; None before, and once released
+    epoch: int | None = None
+
+
+@dataclass
 class Quarantined:
     room: int
     peer: str | None
@@ -67,8 +75,7 @@ class DecodeSide(Coordinator):
     # ---- the worker's calls -------------------------------------------------------------
     def add(self, room: int, rid: str, prefill_address: str, n_pages: int) -> None:
         """Admit a request whose KV (n_pages pages) comes from the P at prefill_address."""
-        r = self.lc.add(room, rid, peer=prefill_address)
-        r.data["n_pages"] = n_pages
+        r = self.lc.add(room, rid, peer=prefill_address, data=DecodeRoom(n_pages))
         if not wire.valid_endpoint(prefill_address):  # never connected to: fails this room only
             self._fail(r, Reason.INVALID_REQUEST.value, f"prefill address {repr(prefill_address)[:100]} is not an endpoint")
             return
@@ -82,7 +89,7 @@ class DecodeSide(Coordinator):
     def add_local(self, room: int, rid: str) -> None:
         """Admit a request this worker's engine prefills itself: it enters decode at once
         (the engine owns its pages, under its rid) and ends by finish() or abort()."""
-        self.lc.add(room, rid, peer=NO_PEER, phase=DPhase.DECODE)
+        self.lc.add(room, rid, peer=NO_PEER, phase=DPhase.DECODE, data=DecodeRoom(0))
 
     def take_ready(self) -> list[tuple[int, wire.Aux]]:
         """Rooms whose KV and aux have all arrived; they enter decode and keep their pages
@@ -130,11 +137,11 @@ class DecodeSide(Coordinator):
         self._end_quarantines()
 
     def _try_reserve(self, r: Room, rcv: KVReceiver) -> None:
-        got = self.reserve(r.room, r.data["n_pages"])
+        got = self.reserve(r.room, r.data.n_pages)
         if got is None:
             return  # pool full: retry next iteration
         pages, epoch = got
-        r.data["pages"], r.data["epoch"] = list(pages), epoch
+        r.data.pages, r.data.epoch = list(pages), epoch
         rcv.send_metadata(list(pages), epoch)
         self.lc.move(r.room, DPhase.WAITING)
 
@@ -150,7 +157,7 @@ class DecodeSide(Coordinator):
             if mutation.on("quarantine_on_timer"):  # SGLang #38961: released on a timer while P may write
                 until = self.clock.now() + self.cfg.heartbeat_interval
             writer = self._writer_incarnation(r)
-            self.quarantine[r.room] = Quarantined(r.room, r.peer, r.data["pages"], until, rcv, self.clock.now(),
+            self.quarantine[r.room] = Quarantined(r.room, r.peer, r.data.pages, until, rcv, self.clock.now(),
                                                   writer, frozenset(self._visible(r.peer)) | {writer})
             return
         if rcv is not None:
@@ -158,7 +165,7 @@ class DecodeSide(Coordinator):
         self._release(r)
 
     def _release(self, r: Room) -> None:
-        pages = r.data.pop("pages", None)
+        pages, r.data.pages = r.data.pages, None
         if pages is not None:
             self.release(r.room, pages)
 

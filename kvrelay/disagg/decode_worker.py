@@ -97,7 +97,7 @@ class DecodeCore(WorkerCore):
             if params.logprobs is not None and t.logprob is not None:
                 lp = TokenLogprob(t.token, t.logprob, tuple(t.top_logprobs)[:params.logprobs])
             firsts.append(SampleResult(t.token, lp))
-        pages = self.side.lc.rooms[room].data["pages"]
+        pages = self.side.lc.rooms[room].data.pages
         self.allocator.transfer(("room", room), rid)
         leg.in_engine = True
         if self.metrics is not None:   # since the leg arrived: bootstrap + waiting for the KV

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import enum
 from collections import Counter, deque
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from kvrelay.core import mutation
 from kvrelay.core.clock import Clock
@@ -102,7 +102,7 @@ class Room:
     peer: str | None = None
     peer_incarnation: str | None = None
     peer_known_seq: int | None = None  # a peer heartbeat with a higher seq must list this room
-    data: dict = field(default_factory=dict)  # the side's own per-room fields
+    data: Any = None   # the side's own per-room state (prefill_side.PrefillRoom, decode_side.DecodeRoom)
 
 
 @dataclass(frozen=True)
@@ -130,16 +130,17 @@ class Lifecycle:
         self.terminal_counts: Counter = Counter()  # (phase, reason) -> n
         self.on_leave: Callable[[str, float], None] | None = None  # (phase left, seconds in it)
 
-    def add(self, room: int, rid: str, peer: str | None = None, phase=None) -> Room:
+    def add(self, room: int, rid: str, peer: str | None = None, phase=None, data: Any = None) -> Room:
         """`phase`: where the room enters (default the first); a room with no peer may
-        enter later in the chain (the decode room prefilled here enters at DECODE)."""
+        enter later in the chain (the decode room prefilled here enters at DECODE).
+        `data`: the side's own state of the room (`Room.data`)."""
         if room in self.rooms:
             raise ValueError(f"room {room} is already live on the {self.side} side")
         phase = self.first if phase is None else phase
         if phase not in self.transitions or (phase != self.first and peer != NO_PEER):
             raise TransitionError(f"{self.side} room {room} cannot enter at {phase_name(phase)}")
         now = self.clock.now()
-        r = Room(room, rid, phase, now, now, self._deadline(phase, now), peer)
+        r = Room(room, rid, phase, now, now, self._deadline(phase, now), peer, data=data)
         self.rooms[room] = r
         return r
 

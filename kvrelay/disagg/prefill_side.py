@@ -27,6 +27,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 from kvrelay.core.clock import Clock
@@ -38,6 +39,15 @@ from kvrelay.disagg.lifecycle import (P_TRANSITIONS, Lifecycle, PPhase, Reason, 
 from kvrelay.disagg.transfer.base import KVSender, TransferManager, TransferStatus
 
 S = TransferStatus
+
+
+@dataclass
+class PrefillRoom:
+    """P's own state of a room in transfer, judged at each heartbeat of its D."""
+    link_landed: int = 0     # pages from this worker D had reported landed, at the last look
+    sent_at_read: int = -1   # `heartbeat_reads` when the write was handed off
+    bytes_sent: int = 0      # bytes the backend had handed off, at the last look
+    stalled: int = 0         # heartbeats in a row that showed the transfer not moving
 
 
 class PrefillSide(Coordinator):
@@ -55,7 +65,7 @@ class PrefillSide(Coordinator):
     # ---- the worker's calls -------------------------------------------------------------
     def add(self, room: int, rid: str) -> None:
         """Admit a request: it waits in bootstrap for D's destination."""
-        self.lc.add(room, rid)
+        self.lc.add(room, rid, data=PrefillRoom())
         self._senders[room] = self.manager.sender(room)
 
     def take_queued(self, max_n: int) -> list[int]:
@@ -77,8 +87,8 @@ class PrefillSide(Coordinator):
             return False
         self.lc.move(room, PPhase.TRANSFER)
         lease = self.leases.peers.get(r.peer or "")
-        r.data["link_landed"] = lease.landed if lease is not None else 0  # progress counts from here
-        r.data["sent_at_read"] = self.heartbeat_reads
+        r.data.link_landed = lease.landed if lease is not None else 0  # progress counts from here
+        r.data.sent_at_read = self.heartbeat_reads
         self._senders[room].send(list(src_pages), aux)
         return True
 
@@ -130,7 +140,7 @@ class PrefillSide(Coordinator):
             elif r.phase is not PPhase.TRANSFER:
                 self._fail(r, Reason.PEER_FAILED.value, f"decode side is {phase} before the transfer")
         elif phase == "waiting" and r.phase is PPhase.TRANSFER:
-            if r.data["sent_at_read"] == self.heartbeat_reads:   # sent before D could see the write
+            if r.data.sent_at_read == self.heartbeat_reads:   # sent before D could see the write
                 self._link_moved(r, lease)
             elif self._senders[r.room].aux_sent:
                 self._unacked(r, lease)
@@ -163,8 +173,8 @@ class PrefillSide(Coordinator):
         `heartbeat_misses` heartbeats in a row with neither, it fails: a write that never
         completes is bounded by the lease, not by --transfer-timeout."""
         sent = self._senders[r.room].bytes_sent
-        moved = sent > r.data.get("bytes_sent", 0)
-        r.data["bytes_sent"] = sent
+        moved = sent > r.data.bytes_sent
+        r.data.bytes_sent = sent
         n = self._stalls(r, self._link_moved(r, lease) or moved)
         if n > self.cfg.heartbeat_misses:
             self._fail(r, Reason.TRANSFER_ERROR.value,
@@ -174,14 +184,14 @@ class PrefillSide(Coordinator):
     @staticmethod
     def _link_moved(r: Room, lease: PeerLease) -> bool:
         """D reports more of this worker's pages landed than at the previous heartbeat."""
-        moved = lease.landed > r.data.get("link_landed", 0)
-        r.data["link_landed"] = lease.landed
+        moved = lease.landed > r.data.link_landed
+        r.data.link_landed = lease.landed
         return moved
 
     @staticmethod
     def _stalls(r: Room, moved: bool) -> int:
         """Heartbeats in a row that showed the room's transfer not moving (0 after one that did)."""
-        n = r.data["stalled"] = 0 if moved else r.data.get("stalled", 0) + 1
+        n = r.data.stalled = 0 if moved else r.data.stalled + 1
         return n
 
     def _backend_status(self, r: Room) -> str:
