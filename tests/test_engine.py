@@ -147,7 +147,7 @@ def test_shed_ttft_refuses_a_request_predicted_to_miss_it_and_serves_the_rest(ti
         core.add(GenerateRequest(rid, tuple(range(5, 5 + n)), greedy(max_tokens=4)), lambda o: outs.setdefault(o.rid, []).append(o))
     shed = outs.pop("b")
     assert len(shed) == 1 and shed[0].finish_reason == FinishReason.ERROR and shed[0].error.startswith("overloaded:")
-    err = from_failed_output(shed[0].error)
+    err = from_failed_output(shed[0])
     assert (err.status, err.code, err.headers) == (503, "overloaded", {"Retry-After": "1"})
     while core.has_work:
         core.step()

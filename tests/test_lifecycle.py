@@ -125,3 +125,25 @@ def test_any_message_renews_a_lease():
     leases.heard({"a": clock.now() - timeout})  # an older message never shortens the lease
     clock.advance(0.2)
     assert leases.dead() == ["a"]
+
+
+def test_every_reason_a_room_can_end_with_is_a_typed_error_code():
+    """Each lifecycle reason and each phase's timeout reads back as its own ErrorCode (none
+    falls to internal_error), and its HTTP status is the documented one: a request that
+    failed in the serving system is worth a retry (503), a deadline over the whole decode a 504."""
+    from kvrelay.disagg.lifecycle import Reason, timeout
+    from kvrelay.engine.types import ErrorCode, FinishReason, StepOutput
+    from kvrelay.server.errors import from_failed_output
+
+    texts = [f"{r.value}: detail {i}" for i, r in enumerate(Reason)]
+    texts += [f"{timeout(p)}: detail" for p in (*PPhase, *DPhase) if p.name not in ("DONE", "FAILED", "ABORTED")]
+    for text in texts:
+        out = StepOutput("r", finish_reason=FinishReason.ERROR, error=text)
+        assert out.error_code is not ErrorCode.INTERNAL_ERROR and out.error_code.value == text.split(": ")[0], text
+        assert out.error_detail == text.split(": ", 1)[1]
+        err = from_failed_output(out)
+        want = 400 if out.error_code is ErrorCode.INVALID_REQUEST else 504 if text.startswith("timeout:decode") else 503
+        assert (err.status, err.code, err.message) == (want, out.error_code.value, text), text
+    odd = StepOutput("r", finish_reason=FinishReason.ERROR, error="no code here")
+    assert odd.error_code is ErrorCode.INTERNAL_ERROR and odd.error_detail == "no code here"
+    assert (from_failed_output(odd).status, from_failed_output(odd).code) == (500, "internal_error")

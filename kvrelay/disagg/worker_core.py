@@ -29,7 +29,7 @@ from kvrelay.disagg.lifecycle import Reason, TerminalEvent, phase_name
 from kvrelay.disagg.transfer import create_manager
 from kvrelay.engine.core import EngineCore, kv_layout_for, num_pages_for
 from kvrelay.engine.sampling import validate_params
-from kvrelay.engine.types import FinishReason, GenerateRequest, RequestRejected, StepOutput
+from kvrelay.engine.types import ErrorCode, FinishReason, GenerateRequest, RequestRejected, StepOutput
 from kvrelay.obs.metrics import Snapshot
 
 log = logging.getLogger("kvrelay.worker")
@@ -72,8 +72,9 @@ def reason_of(out: StepOutput) -> tuple[str, str]:
     """(reason code, detail) of an output that ended a request early."""
     if out.finish_reason is FinishReason.ABORT:
         return Reason.ABORTED.value, out.error or "aborted"
-    code, _, detail = (out.error or "internal_error: the request failed").partition(": ")
-    return code, detail
+    if out.error is None:
+        return ErrorCode.INTERNAL_ERROR.value, "the request failed"
+    return (out.error_code or ErrorCode.INTERNAL_ERROR).value, out.error_detail
 
 
 class WorkerCore(EngineCore):

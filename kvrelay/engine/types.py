@@ -51,6 +51,35 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"        # the request failed; `StepOutput.error` says why
 
 
+class ErrorCode(str, enum.Enum):
+    """Why a request failed: the code an error text starts with ("<code>: <detail>"), the
+    `code` of the client's error body, and what its HTTP status follows (server.errors)."""
+    INVALID_REQUEST = "invalid_request"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    OVERLOADED = "overloaded"                 # shed (--shed-ttft) or no capacity
+    NO_HEALTHY_WORKER = "no_healthy_worker"
+    ABORTED = "aborted"
+    PEER_FAILED = "peer_failed"               # the other worker of the pair died, froze or gave up
+    TRANSFER_ERROR = "transfer_error"
+    INTERNAL_ERROR = "internal_error"         # a bug in kvrelay
+    TIMEOUT_REQUEST = "timeout:request"       # the router's --request-timeout
+    TIMEOUT_BOOTSTRAP = "timeout:bootstrap"   # a worker phase's deadline (disagg.lifecycle)
+    TIMEOUT_QUEUED = "timeout:queued"
+    TIMEOUT_PREFILL = "timeout:prefill"
+    TIMEOUT_TRANSFER = "timeout:transfer"
+    TIMEOUT_WAITING = "timeout:waiting"
+    TIMEOUT_DECODE = "timeout:decode"         # also --max-request-time
+
+    @classmethod
+    def of(cls, text: str | None) -> "ErrorCode":
+        """The code `text` ("<code>: <detail>", or a bare code) starts with; a text without
+        a known one is an internal error. The one place an error text is parsed."""
+        try:
+            return cls((text or "").split(": ", 1)[0].strip())
+        except ValueError:
+            return cls.INTERNAL_ERROR
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     rid: str
@@ -81,12 +110,23 @@ class StepOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: FinishReason | None = None
-    error: str | None = None          # reason code + message when finish_reason is ERROR
+    error: str | None = None          # "<code>: <message>" when finish_reason is ERROR (or ABORT)
     index: int = 0                    # which of the request's `n` choices this output belongs to
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def error_code(self) -> ErrorCode | None:
+        """The code of `error`, typed (read from the text: one source of truth)."""
+        return None if self.error is None else ErrorCode.of(self.error)
+
+    @property
+    def error_detail(self) -> str:
+        """`error` without its code."""
+        code, sep, rest = (self.error or "").partition(": ")
+        return rest if sep and code.strip() == self.error_code else (self.error or "")
 
 
 class RequestRejected(Exception):

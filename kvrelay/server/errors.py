@@ -22,7 +22,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvrelay.engine.types import RequestRejected
+from kvrelay.engine.types import ErrorCode as E
+from kvrelay.engine.types import RequestRejected, StepOutput
 
 from kvrelay.obs.metrics import reject_input
 
@@ -47,15 +48,15 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_
 RETRY_AFTER_S = 1
 # Where `http_headers.RequestId` keeps the request's id in the ASGI scope (echoed on a 500 too).
 REQUEST_ID_SCOPE = "kvrelay.request_id"
-_REASON_STATUS = {"invalid_request": 400, "context_length_exceeded": 400,
-                  "overloaded": 503, "no_healthy_worker": 503, "peer_failed": 503, "transfer_error": 503,
-                  "aborted": 503, "timeout:request": 504, "timeout:decode": 504, "internal_error": 500}
+_REASON_STATUS = {E.INVALID_REQUEST: 400, E.CONTEXT_LENGTH_EXCEEDED: 400,
+                  E.OVERLOADED: 503, E.NO_HEALTHY_WORKER: 503, E.PEER_FAILED: 503, E.TRANSFER_ERROR: 503,
+                  E.ABORTED: 503, E.TIMEOUT_REQUEST: 504, E.TIMEOUT_DECODE: 504, E.INTERNAL_ERROR: 500}
 
 
 def reason_status(code: str) -> int:
-    """The HTTP status of a request that ended with reason `code`."""
+    """The HTTP status of a request that ended with reason `code` (an ErrorCode or its value)."""
     if code in _REASON_STATUS:
-        return _REASON_STATUS[code]
+        return _REASON_STATUS[code]   # type: ignore[index]
     return 503 if code.startswith("timeout:") else 500   # a worker phase's backstop (before decode)
 
 
@@ -136,13 +137,13 @@ _REJECT_REASONS = {"invalid_json": "bad_json", "invalid_body": "bad_body", "body
                    "invalid_address": "bad_address", "too_many": "too_many"}
 
 
-def from_failed_output(error: str | None) -> OpenAIError:
-    """The error for a request the engine ended with FinishReason.ERROR. Its text is
-    "<reason code>: <message>" (e.g. "timeout:queued: ..."), or a bare reason code."""
-    text = error or "internal_error: the request failed"
-    code = text.split(": ", 1)[0].strip() or "internal_error"
+def from_failed_output(out: StepOutput) -> OpenAIError:
+    """The error for a request the engine ended with FinishReason.ERROR: its text
+    ("<code>: <message>", e.g. "timeout:queued: ...") and its code."""
+    code = out.error_code or E.INTERNAL_ERROR
     status = reason_status(code)
-    return OpenAIError(status, text, None, code, retry_headers(status))
+    return OpenAIError(status, out.error or "internal_error: the request failed", None, code.value,
+                       retry_headers(status))
 
 
 def from_rejected(exc: RequestRejected) -> OpenAIError:

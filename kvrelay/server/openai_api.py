@@ -193,7 +193,7 @@ class OpenAIServing:
             async with abort_on_disconnect(request, rs):
                 first = await rs.first()
             if first.finish_reason is FinishReason.ERROR:
-                raise from_failed_output(first.error)
+                raise from_failed_output(first)
             body = sse_events(rs, render, request, include_usage, continuous_usage)
             handed_over = True   # from here on, sse_events owns `rs` and closes it
             return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)

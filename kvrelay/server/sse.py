@@ -225,7 +225,7 @@ async def collect(stream: Outputs) -> dict[int, Collected]:
     pieces: dict[int, list[str]] = {}
     async for out in stream:
         if out.finish_reason is FinishReason.ERROR:
-            raise from_failed_output(out.error)
+            raise from_failed_output(out)
         choice = got.setdefault(out.index, Collected())
         pieces.setdefault(out.index, []).append(out.text)
         choice.token_ids += out.token_ids
@@ -274,7 +274,7 @@ async def sse_events(stream: Outputs, render: Renderer, request: Request,
                     yield event(chunk)
                 async for out in stream:
                     if out.finish_reason is FinishReason.ERROR:
-                        err = from_failed_output(out.error)
+                        err = from_failed_output(out)
                         yield sse(error_body(err.status, err.message, err.param, err.code))
                         break
                     chunk = render.chunk(out)

@@ -20,7 +20,7 @@ import httpx
 
 from kvrelay.core.clock import Clock
 from kvrelay.core.config import RouterConfig
-from kvrelay.engine.types import FinishReason, RequestRejected, StepOutput
+from kvrelay.engine.types import ErrorCode, FinishReason, RequestRejected, StepOutput
 from kvrelay.server.errors import StartupError
 from kvrelay.server.pairing import ROLES, Change, WorkerTable
 from kvrelay.server.worker_protocol import AbortRequest, LegRequest, WorkerHealth, output_from_json
@@ -46,10 +46,11 @@ class LegFailure(Exception):
 
 def failure_of(out: StepOutput, url: str) -> LegFailure:
     """The failure a worker reported as a final output ("<reason code>: <detail>")."""
-    text = out.error or ("aborted: the worker aborted the leg" if out.finish_reason is FinishReason.ABORT
-                         else "internal_error: the worker failed the leg")
-    reason, _, detail = text.partition(": ")
-    return LegFailure(reason.strip() or "internal_error", detail or "no detail", url)
+    if out.error is None:
+        aborted = out.finish_reason is FinishReason.ABORT
+        return LegFailure(ErrorCode.ABORTED.value if aborted else ErrorCode.INTERNAL_ERROR.value,
+                          "the worker aborted the leg" if aborted else "the worker failed the leg", url)
+    return LegFailure((out.error_code or ErrorCode.INTERNAL_ERROR).value, out.error_detail or "no detail", url)
 
 
 def leg_finals(leg: LegRequest) -> int:
