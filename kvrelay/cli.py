@@ -93,8 +93,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, section: str
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = tp
-            if "choices" in f.metadata:   # no metavar: the usage line shows {a,b,c}
-                kwargs["choices"] = f.metadata["choices"]
+            if field_choices(f):   # no metavar: the usage line shows {a,b,c}
+                kwargs["choices"] = field_choices(f)
             else:
                 kwargs["metavar"] = tp.__name__.upper()
         group.add_argument(flag, **kwargs)
@@ -108,11 +108,21 @@ def _shown(value) -> str:
     return str(value)
 
 
+def field_choices(f: dataclasses.Field) -> tuple | None:
+    """A config field's choices: listed in its metadata, or the names of the plug-in
+    registry it names ("module:attr"; lightweight: its entries import lazily)."""
+    if "registry" in f.metadata:
+        module, _, attr = f.metadata["registry"].partition(":")
+        return tuple(getattr(importlib.import_module(module), attr).names())
+    return f.metadata.get("choices")
+
+
 def flag_help(f: dataclasses.Field) -> str:
     """A field's help, with its choices and its default (unless the text already says
     what the default is), escaped for argparse's %-formatting."""
     text = f.metadata.get("help", "")
-    notes = [f"choices: {', '.join(map(str, f.metadata['choices']))}"] if "choices" in f.metadata else []
+    choices = field_choices(f)
+    notes = [f"choices: {', '.join(map(str, choices))}"] if choices else []
     if "(default" not in text:
         notes.append(f"default: {_shown(f.default)}")
     if notes:

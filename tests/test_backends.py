@@ -28,7 +28,7 @@ def importable(name: str) -> bool:
         return False
 
 
-REAL = [b for b in ("shm", "tcp", "nixl") if importable(b)]
+REAL = [b for b in TRANSFER_BACKENDS.names() if not b.startswith("fake") and importable(b)]
 PB = LAYOUT.page_bytes
 REAL_TIME_LIMIT = 30.0  # seconds of wall time any pump loop may take before the test fails
 

@@ -66,6 +66,19 @@ def test_router_flags_parse_into_the_router_config():
     assert config.cluster.startup_timeout == 5.0
 
 
+def test_the_transfer_backend_choices_are_the_registry(capsys):
+    """One `register_lazy` line adds a backend to the CLI: every registered name parses, and
+    any other is refused naming the registry's choices."""
+    from kvrelay.disagg.transfer import TRANSFER_BACKENDS
+    names = TRANSFER_BACKENDS.names()
+    assert {"shm", "tcp", "nixl"} <= set(names)
+    for name in names:
+        assert parse("prefill", "--transfer-backend", name).transfer.transfer_backend == name
+    with pytest.raises(SystemExit):
+        parse("prefill", "--transfer-backend", "carrier-pigeon")
+    assert f"choose from {', '.join(map(repr, names))}" in capsys.readouterr().err
+
+
 def test_serve_is_disaggregated_by_default_and_takes_no_worker_urls():
     args = build_parser().parse_args(["serve", "--num-decode", "2", "--request-timeout", "9"])
     assert args.mode == "disagg"

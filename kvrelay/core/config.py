@@ -154,7 +154,8 @@ class LifecycleConfig:
 
 @dataclass(frozen=True)
 class TransferConfig:
-    transfer_backend: str = _f("shm", "KV transfer backend", choices=("shm", "tcp", "nixl", "fake"))
+    # Its choices are the names in the registry (one line there adds a backend to the CLI too).
+    transfer_backend: str = _f("shm", "KV transfer backend", registry="kvrelay.disagg.transfer:TRANSFER_BACKENDS")
     transfer_host: str = _f("127.0.0.1", "address the transfer endpoint binds and advertises")
     transfer_port: int = _f(0, "port of the transfer endpoint (0: pick a free one; with `serve`, the "
                             "first worker's, the others take the next ports)")
