@@ -127,7 +127,9 @@ def test_help_lists_every_flags_choices_and_default():
     serve = " ".join(subparsers["serve"].format_help().split())
     assert "--dtype {auto,float32,bfloat16} compute and KV dtype;" in serve
     assert "(choices: auto, float32, bfloat16; default: auto)" in serve
-    assert "--transfer-backend {shm,tcp,nixl,fake}" in serve and "(choices: text, json; default: text)" in serve
+    from kvrelay.disagg.transfer import TRANSFER_BACKENDS   # the choices are the registry's names
+    assert f"--transfer-backend {{{','.join(TRANSFER_BACKENDS.names())}}}" in serve
+    assert "(choices: text, json; default: text)" in serve
     assert "--worker-base-port INT" in serve and "default: --port + 1" in serve
 
 

@@ -72,6 +72,9 @@ class DecodeSide(Coordinator):
         self._ready: list[int] = []
         self.quarantine: dict[int, Quarantined] = {}
 
+    def quarantined_pages(self) -> int:
+        return sum(len(q.pages) for q in self.quarantine.values())
+
     # ---- the worker's calls -------------------------------------------------------------
     def add(self, room: int, rid: str, prefill_address: str, n_pages: int) -> None:
         """Admit a request whose KV (n_pages pages) comes from the P at prefill_address."""

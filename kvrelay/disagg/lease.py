@@ -137,6 +137,10 @@ class Coordinator(ABC):
         """{room: pages landed} to report for rooms still receiving KV (D side)."""
         return {}
 
+    def quarantined_pages(self) -> int:
+        """Pool pages held back after a failed one-sided transfer (D side; P holds none)."""
+        return 0
+
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> None:
         """One scheduler iteration. Never blocks."""

@@ -178,7 +178,7 @@ class WorkerCore(EngineCore):
         """The share of a heartbeat interval one prefill step may take: LONG_STEP_SHARE
         where the runner heartbeats between layers and nothing waits on the step's end
         (LONG_STEPS), else STEP_SHARE."""
-        if self.LONG_STEPS and getattr(self.runner, "CALLS_BETWEEN_LAYERS", False):
+        if self.LONG_STEPS and self.runner.CALLS_BETWEEN_LAYERS:
             return LONG_STEP_SHARE
         return STEP_SHARE
 
@@ -249,8 +249,7 @@ class WorkerCore(EngineCore):
         return Snapshot(phases=phases, overdue=overdue, engine=self.engine_stats(running, waiting),
                         counters={"kvrelay_transfer_bytes": m.bytes_written,
                                   "kvrelay_transfer_seconds": m.write_seconds},
-                        gauges={"kvrelay_kv_pages_quarantined": sum(len(q.pages) for q in
-                                                                    getattr(self.side, "quarantine", {}).values())})
+                        gauges={"kvrelay_kv_pages_quarantined": self.side.quarantined_pages()})
 
     def debug_view(self) -> dict:
         rows = self.side.live()

@@ -6,6 +6,7 @@ the requests of the batch.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
 
@@ -64,16 +65,34 @@ def build_forward_batch(chunks: list[SeqChunk], page_size: int) -> ForwardBatch:
     )
 
 
-class ModelRunner:
-    # `prefill` calls `between_layers` (set by the engine, None for nothing) after each
-    # layer of its pass; `decode` does not (one decode step is shorter than any lease).
+class Runner(ABC):
+    """What the engine computes a step with (`LoadedModel.make_runner(model, kv)`).
+
+    - `prefill(chunks)` writes each chunk's tokens into the pool pages it names and returns
+      float32 logits [B, vocab] of each chunk's last token.
+    - `decode(last_tokens, positions, pages)` does the same for one token per sequence.
+    - `between_layers` is set by the engine (None for nothing). A runner whose
+      `CALLS_BETWEEN_LAYERS` is True calls it inside each `prefill` pass, after each layer,
+      so that one long pass can heartbeat and answer reads; `decode` never does (one decode
+      step is shorter than any lease).
+    """
+    CALLS_BETWEEN_LAYERS = False
+    between_layers: Callable[[], None] | None = None
+
+    @abstractmethod
+    def prefill(self, chunks: list[SeqChunk]) -> torch.Tensor: ...
+
+    @abstractmethod
+    def decode(self, last_tokens: list[int], positions: list[int], pages: list[list[int]]) -> torch.Tensor: ...
+
+
+class ModelRunner(Runner):
     CALLS_BETWEEN_LAYERS = True
 
     def __init__(self, model: torch.nn.Module, kv: KVPool) -> None:
         self.model = model
         self.kv = kv
         self.page_size = kv.layout.page_size
-        self.between_layers: Callable[[], None] | None = None
 
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk], after_layer: Callable[[], None] | None = None) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 from kvrelay.engine.loader import LoadedModel
 from kvrelay.engine.models.base import ArchConfig
 from kvrelay.engine.request import choice_params
+from kvrelay.engine.runner import Runner
 from kvrelay.engine.sampling import Sampler, SamplingState
 from kvrelay.engine.types import SamplingParams
 
@@ -110,8 +111,8 @@ class HashModel:
         self.eos_ok = eos_ok
 
 
-class HashRunner:
-    """`engine.runner.ModelRunner`'s interface over the chained-hash slots. `work` counts
+class HashRunner(Runner):
+    """The engine's `Runner` over the chained-hash slots. `work` counts
     the token positions computed since the simulation last reset it (its cost model).
     A step costs simulated time only after it returns, so nothing can run inside one: it
     never calls `between_layers`."""
@@ -124,7 +125,6 @@ class HashRunner:
         self.page_bytes, self.page_size = layout.page_bytes, layout.page_size
         self.row = layout.page_size * layout.head_dim * 4    # one head's K row for a page (float32)
         self.work = 0
-        self.between_layers = None
 
     def _at(self, pages: list[int], pos: int) -> int:
         page, off = divmod(pos, self.page_size)
