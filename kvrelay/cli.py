@@ -93,8 +93,9 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, section: str
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = tp
-            if field_choices(f):   # no metavar: the usage line shows {a,b,c}
-                kwargs["choices"] = field_choices(f)
+            choices = field_choices(f)
+            if choices:   # no metavar: the usage line shows {a,b,c}
+                kwargs["choices"] = choices
             else:
                 kwargs["metavar"] = tp.__name__.upper()
         group.add_argument(flag, **kwargs)
