@@ -167,7 +167,7 @@ def backend_case(name: str, auth: bool = False) -> Case:
         from kvrelay.core.config import TransferConfig
         from kvrelay.disagg import wire
         from kvrelay.disagg.transfer import create_manager
-        from kvrelay.disagg.transfer.base import TransferStatus as S
+        from kvrelay.disagg.transfer.base import TransferStatus as S, host_pool
         layout = bench_layout(size)
         pages = list(range(size // layout.page_bytes))
         from kvrelay.core.keys import ClusterKey
@@ -175,8 +175,8 @@ def backend_case(name: str, auth: bool = False) -> Case:
         key = ClusterKey.generate().control_key if auth else None
         p, d = (create_manager(name, layout, TransferConfig(transfer_backend=name),
                                auth=ChannelAuth(key) if key else None) for _ in range(2))
-        p.allocate_pool(len(pages))[:] = filled(size)
-        d.allocate_pool(len(pages))
+        host_pool(p, len(pages))[:] = filled(size)
+        host_pool(d, len(pages))
         rooms = iter(range(1, 1 << 30))
 
         def pump_until(cond) -> None:

@@ -21,6 +21,7 @@ from kvrelay.disagg.decode_side import DecodeSide
 from kvrelay.disagg.faults import FaultSpec
 from kvrelay.disagg.prefill_side import PrefillSide
 from kvrelay.disagg.transfer import TRANSFER_BACKENDS, create_manager
+from kvrelay.disagg.transfer.base import host_pool
 from kvrelay.engine.allocator import PageAllocator
 
 LAYOUT = KVLayout("test-model", "float32", page_size=4, num_layers=2, num_kv_heads=2, head_dim=16)  # 2 KiB pages
@@ -42,10 +43,11 @@ def backends_under_test() -> list[str]:
     names = []
     for name in TRANSFER_BACKENDS.names():
         try:
-            TRANSFER_BACKENDS.get(name)
+            backend = TRANSFER_BACKENDS.get(name)
         except Exception:  # noqa: BLE001 - a backend whose module does not import is not tested
             continue
-        names.append(name)
+        if "cpu" in backend.memory:   # host pools here; a device backend runs in tests/test_gpu.py
+            names.append(name)
     return names
 
 
@@ -77,8 +79,8 @@ class Harness:
         self.network = None if self.real else InProcNetwork()
         self.pm = self._manager(p_faults)
         self.dm = self._manager(d_faults)
-        self.ppool = self.pm.allocate_pool(num_pages)
-        self.dpool = self.dm.allocate_pool(num_pages)
+        self.ppool = host_pool(self.pm, num_pages)
+        self.dpool = host_pool(self.dm, num_pages)
         self.palloc, self.dalloc = PageAllocator(num_pages), PageAllocator(num_pages)
         self.epoch = 0
         self.events: list[tuple[float, object]] = []   # (sim time, TerminalEvent)
@@ -228,7 +230,7 @@ class Harness:
     def restart_p(self) -> None:
         """Replace P by a new incarnation at the same control address."""
         self.pm = self._reincarnate(self.pm)
-        self.ppool = self.pm.allocate_pool(self.num_pages)
+        self.ppool = host_pool(self.pm, self.num_pages)
         self.palloc = PageAllocator(self.num_pages)
         self.p_released = {}
         self.P = self._prefill_side()
@@ -236,7 +238,7 @@ class Harness:
     def restart_d(self) -> None:
         """Replace D by a new incarnation at the same control address (new pool, new pages)."""
         self.dm = self._reincarnate(self.dm)
-        self.dpool = self.dm.allocate_pool(self.num_pages)
+        self.dpool = host_pool(self.dm, self.num_pages)
         self.dalloc = PageAllocator(self.num_pages)
         self.d_released = {}
         self.D = self._decode_side()

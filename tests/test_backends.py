@@ -17,7 +17,7 @@ from kvrelay.core.config import TransferConfig
 from kvrelay.disagg import wire
 from kvrelay.disagg.auth import ChannelAuth
 from kvrelay.disagg.transfer import TRANSFER_BACKENDS, create_manager
-from kvrelay.disagg.transfer.base import TransferStatus as S
+from kvrelay.disagg.transfer.base import TransferStatus as S, host_pool
 
 
 def importable(name: str) -> bool:
@@ -28,7 +28,9 @@ def importable(name: str) -> bool:
         return False
 
 
-REAL = [b for b in TRANSFER_BACKENDS.names() if not b.startswith("fake") and importable(b)]
+# Backends that move host memory (a device backend, cuda_ipc, runs in tests/test_gpu.py).
+REAL = [b for b in TRANSFER_BACKENDS.names()
+        if not b.startswith("fake") and importable(b) and "cpu" in TRANSFER_BACKENDS.get(b).memory]
 PB = LAYOUT.page_bytes
 REAL_TIME_LIMIT = 30.0  # seconds of wall time any pump loop may take before the test fails
 
@@ -49,8 +51,8 @@ class Pair:
                                 auth=ChannelAuth(key) if key else None)
         self.d = create_manager(backend, LAYOUT, TransferConfig(transfer_backend=backend),
                                 auth=ChannelAuth(key) if key else None)
-        self.ppool = self.p.allocate_pool(num_pages)
-        self.dpool = self.d.allocate_pool(num_pages)
+        self.ppool = host_pool(self.p, num_pages)
+        self.dpool = host_pool(self.d, num_pages)
 
     def pump_until(self, cond) -> bool:
         deadline = time.monotonic() + REAL_TIME_LIMIT
@@ -216,7 +218,7 @@ def test_shm_pool_larger_than_dev_shm_fails_loudly(monkeypatch):
     m = create_manager("shm", LAYOUT, TransferConfig(transfer_backend="shm"))
     try:
         with pytest.raises(RuntimeError, match="shm-size"):
-            m.allocate_pool(16)
+            host_pool(m, 16)
     finally:
         m.close()
 
@@ -283,7 +285,7 @@ def test_hung_transfer_never_completes_and_abort_fails_it(backend):
 def _decode_process(backend: str, prefill_address: str, dst: list[int], out, done) -> None:
     """D in its own process: rendezvous, receive, report the checksum, linger for the ack."""
     d = create_manager(backend, LAYOUT, TransferConfig(transfer_backend=backend))
-    pool = d.allocate_pool(16)
+    pool = host_pool(d, 16)
     rcv = d.receiver(1)
     rcv.init(prefill_address)
     deadline = time.monotonic() + REAL_TIME_LIMIT
@@ -305,7 +307,7 @@ def _decode_process(backend: str, prefill_address: str, dst: list[int], out, don
 def test_transfer_between_two_processes(backend):
     ctx = multiprocessing.get_context("spawn")
     p = create_manager(backend, LAYOUT, TransferConfig(transfer_backend=backend))
-    ppool = p.allocate_pool(16)
+    ppool = host_pool(p, 16)
     src, dst = [1, 2, 3, 8], [10, 11, 0, 5]
     data = pattern(77, len(src) * PB)
     for i, page in enumerate(src):

@@ -110,7 +110,8 @@ def test_dtype_auto_is_bfloat16_only_where_the_cpu_computes_it(tiny_llama_dir, v
         return
     loaded = _tiny(tiny_llama_dir, kernels=variant)
     native_bf16 = variant == "avx512_bf16"
-    assert loaded.compute_info() == {"kernels": variant, "dtype": "bfloat16" if native_bf16 else "float32",
+    assert loaded.compute_info() == {"device": "cpu", "kernels": variant,
+                                     "dtype": "bfloat16" if native_bf16 else "float32",
                                      "weights": "same" if native_bf16 else "bf16"}
     assert f"kernels {variant}" in startup_line("colocated", loaded, 64, "http://x")
     explicit = _tiny(tiny_llama_dir, kernels=variant, dtype="float32")

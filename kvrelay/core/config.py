@@ -43,6 +43,9 @@ class ModelOptions:
                                    "under gguf, as the other weights otherwise; none: float, as the other "
                                    "weights would be without --quantization; int8 or int4: quantized at load",
                                    choices=("auto", "none", "int8", "int4"))
+    device: str = _f("cpu", "where the model, its KV pool and sampling live: cpu, or cuda (the first visible "
+                     "GPU; CUDA_VISIBLE_DEVICES picks it), which runs no native CPU kernels",
+                     choices=("cpu", "cuda"))
     served_model_name: str | None = _f(None, "model name reported by the API (default: derived from --model)")
     seed: int = _f(0, "seed for random-weight models")
 

@@ -16,7 +16,9 @@ backend moves the scales with the values because they are bytes of the same page
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import asdict, dataclass
+from typing import Any, Protocol
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}     # compute dtypes
 QUANTIZED_KV = ("int8", "fp8_e4m3")
@@ -96,3 +98,57 @@ def paired_runs(src_pages, dst_pages, page_bytes: int) -> list[tuple[int, int, i
         else:
             runs.append([s, d, 1])
     return [(s * page_bytes, d * page_bytes, n * page_bytes) for s, d, n in runs]
+
+
+class Stager(Protocol):
+    """Copies bytes between device KV memory and host memory, for a backend that moves pages
+    through host buffers (tcp). Both calls are synchronous."""
+
+    def read(self, offset: int, length: int) -> bytes: ...
+
+    def write(self, offset: int, data) -> None: ...
+
+
+@dataclass(frozen=True, eq=False)
+class KVRegion:
+    """A piece of KV memory the engine allocated and registers with its transfer manager
+    (`TransferManager.register_kv`): `nbytes` at address `ptr` on `device` ("cpu", "cuda:0"),
+    pages in `layout` (page p is bytes [p * page_bytes, (p + 1) * page_bytes)).
+
+    Exactly one of `host` and `stage` is set: `host` is a writable byte view of memory the
+    CPU addresses; device memory comes with `stage`, which copies runs through host memory.
+    `handle` is the engine's own object for the memory (e.g. the torch tensor), for a
+    backend that shares it with a peer by its device's means (cuda_ipc)."""
+    ptr: int
+    nbytes: int
+    device: str
+    layout: KVLayout
+    host: memoryview | None = None
+    stage: Stager | None = None
+    handle: Any = None
+
+    def __post_init__(self) -> None:
+        if (self.host is None) == (self.stage is None):
+            raise ValueError("a KV region has either a host view or a stager")
+        if self.nbytes % self.layout.page_bytes:
+            raise ValueError(f"a KV region of {self.nbytes} bytes is not whole pages of {self.layout.page_bytes}")
+
+    @property
+    def device_type(self) -> str:
+        return self.device.partition(":")[0]
+
+    @property
+    def num_pages(self) -> int:
+        return self.nbytes // self.layout.page_bytes
+
+    @classmethod
+    def of_host(cls, buf: memoryview, layout: KVLayout) -> "KVRegion":
+        """A region over host bytes (a bytearray, an mmap, a shared-memory segment)."""
+        view = memoryview(buf).cast("B")
+        return cls(host_address(view), len(view), "cpu", layout, host=view)
+
+
+def host_address(buf) -> int:
+    """The address of a writable host buffer's first byte (0 when it is empty)."""
+    view = memoryview(buf).cast("B")
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) if len(view) else 0

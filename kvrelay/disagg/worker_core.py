@@ -97,8 +97,16 @@ class WorkerCore(EngineCore):
         extra = {k: v for k, v in (("clock", clock), ("channel", channel)) if v is not None}
         self.manager = create_manager(transfer_cfg.transfer_backend, layout, transfer_cfg, auth=auth,
                                       lifecycle=lifecycle_cfg, **extra)
-        pool = self.manager.allocate_pool(num_pages_for(kv_cfg, layout))
-        super().__init__(loaded, kv_cfg, sched_cfg, clock=self.manager.clock, kv_buffer=pool, metrics=metrics)
+        # The engine owns the pool (on its device; on the CPU where the backend places it)
+        # and the backend registers it: one pool, allocated once, moved by the backend.
+        try:
+            placed = (self.manager.place_pool(num_pages_for(kv_cfg, layout) * layout.page_bytes)
+                      if loaded.device == "cpu" else None)
+            super().__init__(loaded, kv_cfg, sched_cfg, clock=self.manager.clock, kv_buffer=placed, metrics=metrics)
+            self.manager.register_kv([self.kv.region()])
+        except BaseException:
+            self.manager.close()
+            raise
         self.legs: dict[int, Leg] = {}
         self.room_of: dict[str, int] = {}
         self.side: Coordinator = self._make_side()

@@ -65,7 +65,7 @@ class EngineCore:
         self.metrics = metrics
         self.clock = clock or MonotonicClock()
         self.layout = kv_layout_for(loaded, kv_cfg.page_size, kv_cfg.kv_cache_dtype)
-        self.kv = kv_pool_for(self.layout, num_pages_for(kv_cfg, self.layout), kv_buffer)
+        self.kv = kv_pool_for(self.layout, num_pages_for(kv_cfg, self.layout), kv_buffer, loaded.device)
         self.allocator = PageAllocator(self.kv.num_pages)
         self.scheduler = Scheduler(sched_cfg, self.allocator, kv_cfg.page_size, self.clock)
         self.runner = (loaded.make_runner or ModelRunner)(loaded.model, self.kv)
@@ -329,7 +329,7 @@ class EngineCore:
         done = [(len(decodes) + row, c) for row, i in enumerate(items) if i.completes for c in self._fork(i.req)]
         rows = list(range(len(decodes))) + [r for r, _ in done]
         if rows:
-            self._sample_and_emit(decodes + [req for _, req in done], logits.index_select(0, torch.tensor(rows)))
+            self._sample_and_emit(decodes + [req for _, req in done], logits.index_select(0, torch.tensor(rows, device=logits.device)))
 
     def _run_decode(self, reqs: list[Req]) -> None:
         logits = self.runner.decode([_last_token(r) for r in reqs], [r.seq_len - 1 for r in reqs],

@@ -1,7 +1,8 @@
 """The paged KV pool: one contiguous buffer in the page-major layout of `core.kvlayout`.
 
-The buffer may be provided by the caller (e.g. a shared-memory segment, so a one-sided
-transfer backend can write pages straight in); otherwise it is allocated here. The pool
+The buffer may be provided by the caller on the CPU (a transfer backend's placement, e.g. a
+shared-memory segment, so a one-sided backend can write pages straight in); otherwise it is
+allocated here, on the engine's device. `region()` is what the transfer manager registers. The pool
 knows nothing about ownership: `engine.allocator.PageAllocator` decides which pages a
 request holds.
 
@@ -14,15 +15,16 @@ from typing import Callable
 
 import torch
 
-from kvrelay.core.kvlayout import KVLayout
+from kvrelay.core.kvlayout import KVLayout, KVRegion
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV8_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 KV8_MAX = {"int8": 127.0, "fp8_e4m3": 448.0}   # the largest magnitude each format holds
 
 
-def kv_pool_for(layout: KVLayout, num_pages: int, buffer: memoryview | None = None) -> "KVPool":
-    return (QuantizedKVPool if layout.quantized else KVPool)(layout, num_pages, buffer)
+def kv_pool_for(layout: KVLayout, num_pages: int, buffer: memoryview | None = None,
+                device: str = "cpu") -> "KVPool":
+    return (QuantizedKVPool if layout.quantized else KVPool)(layout, num_pages, buffer, device)
 
 
 def quantize(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,12 +44,17 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 
 
 class KVPool:
-    def __init__(self, layout: KVLayout, num_pages: int, buffer: memoryview | None = None) -> None:
+    def __init__(self, layout: KVLayout, num_pages: int, buffer: memoryview | None = None,
+                 device: str = "cpu") -> None:
+        """`buffer`: host memory to hold the pool (a transfer backend's placement), on the CPU
+        only; otherwise the pool is allocated here, on `device`."""
         self.layout = layout
         self.num_pages = num_pages
         nbytes = num_pages * layout.page_bytes
+        if buffer is not None and device != "cpu":
+            raise ValueError(f"a KV pool on {device} cannot live in a host buffer")
         if buffer is None:
-            flat = torch.zeros(nbytes, dtype=torch.uint8)
+            flat = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         else:
             if len(buffer) < nbytes:
                 raise ValueError(f"KV buffer holds {len(buffer)} bytes, need {nbytes}")
@@ -63,7 +70,7 @@ class KVPool:
         # Writes address single token slots inside those rows; gathers take whole rows.
         self._rows = self.data.view(num_pages * L * 2 * H, S, D)
         self._slots = self.data.view(num_pages * L * 2 * H * S, D)
-        self._heads = torch.arange(H)
+        self._heads = torch.arange(H, device=flat.device)
 
     @property
     def page_bytes(self) -> int:
@@ -106,13 +113,25 @@ class KVPool:
         return (self._rows.index_select(0, k_rows).view(shape),
                 self._rows.index_select(0, k_rows + H).view(shape))
 
+    @property
+    def device(self) -> torch.device:
+        return self._bytes.device
+
     def buffer(self) -> memoryview:
-        """The whole pool as one writable byte buffer (num_pages * page_bytes)."""
+        """The whole pool as one writable byte buffer (num_pages * page_bytes); CPU only."""
         return memoryview(self._bytes.numpy()).cast("B")
 
+    def region(self) -> KVRegion:
+        """The pool as the transfer manager registers it (`TransferManager.register_kv`)."""
+        flat, device = self._bytes, self._bytes.device
+        if device.type == "cpu":
+            return KVRegion(flat.data_ptr(), flat.numel(), "cpu", self.layout, host=self.buffer(), handle=flat)
+        return KVRegion(flat.data_ptr(), flat.numel(), str(device), self.layout, stage=TensorStager(flat),
+                        handle=flat)
+
     def read_pages(self, page_ids: list[int]) -> bytes:
-        idx = torch.tensor(page_ids, dtype=torch.long)
-        return self._bytes.view(self.num_pages, self.page_bytes).index_select(0, idx).numpy().tobytes()
+        idx = torch.tensor(page_ids, dtype=torch.long, device=self.device)
+        return self._bytes.view(self.num_pages, self.page_bytes).index_select(0, idx).cpu().numpy().tobytes()
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each (source, destination) page, every layer's K and V (copy-on-write of a
@@ -120,8 +139,8 @@ class KVPool:
         if not pairs:
             return
         pages = self._bytes.view(self.num_pages, self.page_bytes)
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
         pages.index_copy_(0, dst, pages.index_select(0, src))
 
     def write_pages(self, page_ids: list[int], data: bytes | memoryview) -> None:
@@ -129,7 +148,34 @@ class KVPool:
         if len(data) != expected:
             raise ValueError(f"{len(data)} bytes for {len(page_ids)} pages of {self.page_bytes}")
         src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(len(page_ids), self.page_bytes)
-        self._bytes.view(self.num_pages, self.page_bytes)[torch.tensor(page_ids, dtype=torch.long)] = src
+        idx = torch.tensor(page_ids, dtype=torch.long, device=self.device)
+        self._bytes.view(self.num_pages, self.page_bytes)[idx] = src.to(self.device)
+
+
+class TensorStager:
+    """`KVRegion.stage` of a device pool: byte runs to and from host memory, through one
+    reused pinned buffer on CUDA (pageable memory elsewhere), in pieces of `PIECE` bytes."""
+    PIECE = 8 << 20
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self.flat = flat
+        self._host = torch.empty(min(self.PIECE, flat.numel()), dtype=torch.uint8,
+                                 pin_memory=flat.device.type == "cuda")
+
+    def read(self, offset: int, length: int) -> bytes:
+        out = bytearray(length)
+        for at in range(0, length, self.PIECE):
+            n = min(self.PIECE, length - at)
+            self._host[:n].copy_(self.flat[offset + at:offset + at + n])
+            out[at:at + n] = self._host[:n].numpy().tobytes()
+        return bytes(out)
+
+    def write(self, offset: int, data) -> None:
+        data = memoryview(data).cast("B")
+        for at in range(0, len(data), self.PIECE):
+            n = min(self.PIECE, len(data) - at)
+            self._host[:n].numpy()[:] = data[at:at + n]
+            self.flat[offset + at:offset + at + n].copy_(self._host[:n])
 
 
 class QuantizedKVPool(KVPool):
@@ -147,7 +193,7 @@ class QuantizedKVPool(KVPool):
         self.data = self._raw.view(KV8_DTYPES[layout.kv_dtype])                   # [pages, L, 2, H, S, D]
         self.scales = pages[:, layout.scales_offset:].view(torch.float32).view(n, L, 2, H, S)
         self.compute_dtype = TORCH_DTYPES[layout.dtype]
-        self._heads, self._kv = torch.arange(H), torch.arange(2)
+        self._heads, self._kv = torch.arange(H, device=flat.device), torch.arange(2, device=flat.device)
 
     def slot_ids(self, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The write address [2, T] of tokens at (pages[t], offsets[t])."""

@@ -56,10 +56,11 @@ class LoadedModel:
     make_runner: Callable | None = None
     weights: str = "same"           # WeightFormat.store (", lm_head <store>" where the head differs)
     kernels: str = "torch"          # the native kernel variant the model was packed for
+    device: str = "cpu"             # where the weights live; the KV pool and the sampler follow
 
     def compute_info(self) -> dict[str, str]:
         """What computes: reported at start-up and by /health."""
-        return {"kernels": self.kernels, "dtype": self.dtype, "weights": self.weights}
+        return {"device": self.device, "kernels": self.kernels, "dtype": self.dtype, "weights": self.weights}
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:
@@ -82,11 +83,30 @@ def weight_format(opts: ModelOptions, dtype: str) -> WeightFormat:
     return replace(body, head=head_fmt)
 
 
-def load_model(opts: ModelOptions, progress: Progress | None = None, device: str = "cpu") -> LoadedModel:
-    """Load `opts.model`. The kernel variant (`--kernels`) is chosen first: the dtype and the
-    packed weights depend on it."""
+def check_device(opts: ModelOptions) -> str:
+    """The torch device `opts.device` names, or ModelLoadError saying what to change."""
+    if opts.device == "cpu":
+        return "cpu"
+    if opts.device != "cuda":
+        raise ModelLoadError(f"unsupported device {opts.device!r}; choose cpu or cuda")
+    if not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda: torch sees no CUDA device (a CPU build of torch, or no GPU "
+                             "visible); run where one is, or use --device cpu")
+    if opts.quantization != "none" or opts.lm_head_quantization not in ("auto", "none"):
+        raise ModelLoadError("--quantization and --lm-head-quantization run on the CPU kernels only; "
+                             "use them with --device cpu")
+    if opts.kernels not in ("auto", "torch"):
+        raise ModelLoadError(f"--kernels {opts.kernels} is a CPU kernel variant; use --kernels auto with --device cuda")
+    return f"cuda:{torch.cuda.current_device()}"
+
+
+def load_model(opts: ModelOptions, progress: Progress | None = None) -> LoadedModel:
+    """Load `opts.model` onto `opts.device`. The kernel variant (`--kernels`) is chosen first:
+    the dtype and the packed weights depend on it (on a GPU none runs: torch computes)."""
+    device = check_device(opts)
     try:
-        kernels.select_isa(kernels.requested() if opts.kernels == "auto" else opts.kernels)
+        kernels.select_isa("torch" if device != "cpu" else kernels.requested() if opts.kernels == "auto"
+                           else opts.kernels)
     except kernels.IsaUnavailable as exc:
         raise ModelLoadError(str(exc)) from None
     if opts.dtype not in ("auto", "float32", "bfloat16"):
@@ -117,6 +137,7 @@ def load_model(opts: ModelOptions, progress: Progress | None = None, device: str
     head = fmt.for_head.store
     loaded.weights = fmt.store if head == fmt.store else f"{fmt.store}, lm_head {head}"
     loaded.kernels = kernels.isa()
+    loaded.device = device
     return loaded
 
 

@@ -176,7 +176,8 @@ class WorkerHealth(BaseModel):
     # measured seconds per prompt token (null until it prefilled once).
     queued_prompt_tokens: int = Field(0, ge=0)
     prefill_s_per_token: float | None = Field(None, ge=0, allow_inf_nan=False)
-    # What computes (`LoadedModel.compute_info`): the kernel variant, dtype, weight storage.
+    # What computes (`LoadedModel.compute_info`): the device, kernel variant, dtype, weight storage.
+    device: str = ""
     kernels: str = ""
     dtype: str = ""
     weights: str = ""

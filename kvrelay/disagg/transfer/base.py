@@ -1,7 +1,8 @@
 """The transfer plug-in point: a per-worker manager, a per-room sender (P) and receiver (D).
 
-This layer moves page buffers only (no torch). Pages follow `core.kvlayout`: page p is bytes
-[p * page_bytes, (p + 1) * page_bytes) of the pool buffer.
+This layer moves page buffers only (no torch, except a device backend that imports it when
+chosen). The engine allocates the KV pool and registers it (`register_kv`, a `KVRegion`);
+pages follow `core.kvlayout`: page p is bytes [p * page_bytes, (p + 1) * page_bytes).
 
 Contract shared by every backend (the lifecycle relies on each point):
 - `poll()` never blocks and never does I/O; `TransferManager.progress()` is the only pump,
@@ -30,7 +31,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvrelay.core.kvlayout import KVLayout
+from kvrelay.core.kvlayout import KVLayout, KVRegion
 from kvrelay.disagg import wire
 
 if TYPE_CHECKING:
@@ -220,9 +221,19 @@ class TransferManager(ABC):
     write_seconds: float = 0.0   # their summed durations, start to every byte landed
     writes_done: int = 0
 
+    memory: tuple[str, ...] = ("cpu",)   # device types whose memory this backend moves
+
     @abstractmethod
-    def allocate_pool(self, num_pages: int) -> memoryview:
-        """The KV pool buffer (num_pages * page_bytes bytes, writable), allocated once."""
+    def place_pool(self, nbytes: int) -> memoryview | None:
+        """Host memory this backend wants a CPU pool of `nbytes` placed in (shm: a shared
+        segment peers map; nixl: huge pages), or None: the engine allocates it. Called at
+        most once, before `register_kv`, and only for a pool on the CPU."""
+
+    @abstractmethod
+    def register_kv(self, regions: list[KVRegion]) -> None:
+        """Register the KV memory the engine allocated, once, before any endpoint is
+        published: the pool pages that `send` reads and peers write. A region on a device
+        this backend cannot move (`memory`), or in another layout, raises ValueError."""
 
     @abstractmethod
     def endpoint(self) -> dict:
@@ -293,12 +304,15 @@ class DataPath(ABC):
       `on_data(received)` gets every message kind the manager does not know (the backend's
       KV frames). It copies bytes into `self.pool` ONLY IF `self.owner_ok(room, epoch,
       dst_pages)`, then calls `self.mark_landed(room, epoch, dst_pages)`.
-    Both sides: `allocate_pool`, `endpoint`, `connect`, `disconnect`, `close_backend` and
+    Both sides: `place_pool`, `register_kv`, `endpoint`, `connect`, `disconnect`, `close_backend` and
     `max_data_frame` (the largest raw data frame it sends: the channel's per-frame size
     limit is sized from it), each with the default below.
     """
     layout: KVLayout
-    pool: memoryview | None = None
+    name: str
+    memory: tuple[str, ...]
+    region: KVRegion | None = None   # the registered pool
+    pool: memoryview | None = None   # its host view (None: device memory, see read_pool / write_pool)
 
     @abstractmethod
     def write_start(self, job: WriteJob) -> None: ...
@@ -312,12 +326,45 @@ class DataPath(ABC):
     def on_data(self, received: "Received") -> None:
         pass
 
-    def allocate_pool(self, num_pages: int) -> memoryview:
-        """Default: a private bytearray (shm and nixl place it in shared or registered memory)."""
-        if self.pool is not None:
-            raise RuntimeError("the KV pool is allocated once per worker")
-        self.pool = memoryview(bytearray(num_pages * self.layout.page_bytes))
-        return self.pool
+    def place_pool(self, nbytes: int) -> memoryview | None:
+        return None
+
+    def register_kv(self, regions: list[KVRegion]) -> None:
+        """Default: one region, on a device in `memory`, in this manager's layout. A backend
+        that registers memory with a library (nixl) or shares it (cuda_ipc) extends this."""
+        self.region, self.pool = self.check_regions(regions), regions[0].host
+
+    def check_regions(self, regions: list[KVRegion]) -> KVRegion:
+        """The one region `register_kv` takes, or the error saying why not."""
+        if self.region is not None:
+            raise RuntimeError("the KV pool is registered once per worker")
+        if len(regions) != 1:
+            raise ValueError(f"one KV region per worker, got {len(regions)}")
+        region = regions[0]
+        if region.device_type not in self.memory:
+            raise ValueError(f"the {self.name} transfer backend moves {' or '.join(self.memory)} memory, "
+                             f"not {region.device}: choose another --transfer-backend or --device")
+        if region.layout != self.layout:
+            raise ValueError(f"the KV region's layout differs: {', '.join(region.layout.mismatches(self.layout))}")
+        return region
+
+    def read_pool(self, offset: int, length: int) -> bytes | memoryview:
+        """Bytes [offset, offset + length) of the registered pool (staged from a device).
+        A host view aliases the pool: copy it before the pages can change."""
+        region = self.region
+        assert region is not None, "no KV pool registered"
+        if region.host is not None:
+            return region.host[offset:offset + length]
+        return region.stage.read(offset, length)
+
+    def write_pool(self, offset: int, data) -> None:
+        """Store `data` at `offset` of the registered pool (staged to a device)."""
+        region = self.region
+        assert region is not None, "no KV pool registered"
+        if region.host is not None:
+            region.host[offset:offset + len(data)] = data
+        else:
+            region.stage.write(offset, data)
 
     def endpoint(self) -> dict:
         return {}
@@ -333,3 +380,13 @@ class DataPath(ABC):
 
     def max_data_frame(self) -> int:
         return 0
+
+
+def host_pool(manager: TransferManager, num_pages: int) -> memoryview:
+    """What an engine does for a CPU pool, for callers without one (tools, tests): host
+    memory where `manager` places it, or a private buffer, registered with it."""
+    nbytes = num_pages * manager.layout.page_bytes
+    buf = manager.place_pool(nbytes)
+    region = KVRegion.of_host(memoryview(bytearray(nbytes)) if buf is None else buf[:nbytes], manager.layout)
+    manager.register_kv([region])
+    return region.host

@@ -69,7 +69,8 @@ class CommonManager(DataPath, TransferManager):
         self._wire = channel   # the channel under any fault injection: seals and opens blobs
         self.channel: Channel = FaultyChannel(channel, self.faults, self.clock)
         self.address = channel.address
-        self.pool: memoryview | None = None
+        self.region = None                     # the registered KV pool (register_kv)
+        self.pool: memoryview | None = None    # its host view
         self.hb_seq = 0
         self._peers: dict[str, PeerInfo] = {}
         self._asked: dict[str, float] = {}              # P address -> last BootstrapQuery time

@@ -65,10 +65,9 @@ class FakeManager(CommonManager):
             self.network.pools = {}  # type: ignore[attr-defined]
         return self.network.pools  # type: ignore[attr-defined]
 
-    def allocate_pool(self, num_pages: int) -> memoryview:
-        pool = super().allocate_pool(num_pages)
-        self._pools()[self.pool_id] = pool
-        return pool
+    def register_kv(self, regions) -> None:
+        super().register_kv(regions)
+        self._pools()[self.pool_id] = self.pool
 
     def endpoint(self) -> dict:
         return {"pool": self.pool_id}

@@ -27,7 +27,6 @@ Invariants:
 from __future__ import annotations
 
 import base64
-import ctypes
 import logging
 import mmap
 import os
@@ -46,8 +45,15 @@ from kvrelay.obs.metrics import reject_input  # noqa: E402
 logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
+def mem_kind(device: str) -> tuple[str, int]:
+    """NIXL's memory type and device id of a KV region on `device` ("cpu", "cuda:1")."""
+    kind, _, index = device.partition(":")
+    return ("DRAM", 0) if kind == "cpu" else ("VRAM", int(index or 0))
+
+
 class NixlManager(CommonManager):
     name = "nixl"
+    memory = ("cpu", "cuda")
     one_sided = True
     opaque_writes = True
 
@@ -57,33 +63,39 @@ class NixlManager(CommonManager):
         self.agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=False,
                                                                    backends=["UCX"]))
         self._mem: mmap.mmap | None = None
+        self._mem_kind: tuple[str, int] = ("DRAM", 0)   # NIXL's memory type and device of the pool
         self._base = 0
         self._reg = None
-        self._remote: dict[str, tuple[str, int, int] | str] = {}  # peer address -> (agent, base, bytes) | error
+        self._remote: dict[str, tuple | str] = {}  # peer address -> (agent, base, bytes, (mem, dev)) | error
         self._handles: set = set()  # posted WRITEs not yet released
         self._endpoint: dict | None = None
 
     # ---- pool and endpoint ---------------------------------------------------------------
-    def allocate_pool(self, num_pages: int) -> memoryview:
-        if self.pool is not None:
-            raise RuntimeError("the KV pool is allocated once per worker")
-        nbytes = num_pages * self.layout.page_bytes
+    def place_pool(self, nbytes: int) -> memoryview:
         # Private anonymous memory on transparent huge pages where the kernel allows: UCX's
         # cross-memory copies walk far fewer pages (about 1.5x faster than 4 KiB pages).
+        if self._mem is not None:
+            raise RuntimeError("the KV pool is placed once per worker")
         self._mem = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self._mem.madvise(mmap.MADV_HUGEPAGE)
-        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._mem))
-        self._reg = self.agent.register_memory([(self._base, max(nbytes, 1), 0, "")], "DRAM")
-        self.pool = memoryview(self._mem)[:nbytes]
+        return memoryview(self._mem)[:nbytes]
+
+    def register_kv(self, regions) -> None:
+        super().register_kv(regions)
+        region = regions[0]
+        self._mem_kind = mem_kind(region.device)
+        self._base = region.ptr
+        self._reg = self.agent.register_memory([(region.ptr, max(region.nbytes, 1), self._mem_kind[1], "")],
+                                               self._mem_kind[0])
         self._endpoint = None
-        return self.pool
 
     def endpoint(self) -> dict:
         if self._endpoint is None:
             md = self.agent.get_agent_metadata()  # includes the registered pool
             self._endpoint = {"agent": self.agent_name, "metadata": base64.b64encode(md).decode(),
-                              "base": self._base, "bytes": len(self.pool or b"")}
+                              "base": self._base, "bytes": self.region.nbytes if self.region else 0,
+                              "mem": self._mem_kind[0], "dev": self._mem_kind[1]}
         return self._endpoint
 
     def connect(self, peer: PeerInfo) -> None:
@@ -96,7 +108,11 @@ class NixlManager(CommonManager):
             self._remote[peer.address] = f"cannot add NIXL agent {ep.get('agent')}: {e}"
             return
         name = name.decode() if isinstance(name, bytes) else name
-        self._remote[peer.address] = (name, int(ep["base"]), int(ep["bytes"]))
+        kind = (str(ep.get("mem", "DRAM")), int(ep.get("dev", 0)))
+        if kind[0] not in ("DRAM", "VRAM"):
+            self._remote[peer.address] = f"NIXL agent {ep.get('agent')} registered {kind[0]!r} memory"
+            return
+        self._remote[peer.address] = (name, int(ep["base"]), int(ep["bytes"]), kind)
 
     def disconnect(self, peer: PeerInfo) -> None:
         remote = self._remote.pop(peer.address, None)
@@ -137,7 +153,7 @@ class NixlManager(CommonManager):
         if not isinstance(remote, tuple):
             job.fail(remote or "decode worker's NIXL agent is not connected")
             return
-        agent_name, base, nbytes = remote
+        agent_name, base, nbytes, (kind, dev) = remote
         if any(d + n > nbytes for _, d, n in job.runs):
             job.fail("destination pages lie outside the decode worker's pool")
             return
@@ -145,8 +161,9 @@ class NixlManager(CommonManager):
             job.finish()
             return
         try:
-            local = self.agent.get_xfer_descs([(self._base + s, n, 0) for s, _, n in job.runs], "DRAM")
-            remote = self.agent.get_xfer_descs([(base + d, n, 0) for _, d, n in job.runs], "DRAM")
+            mine, my_dev = self._mem_kind
+            local = self.agent.get_xfer_descs([(self._base + s, n, my_dev) for s, _, n in job.runs], mine)
+            remote = self.agent.get_xfer_descs([(base + d, n, dev) for _, d, n in job.runs], kind)
             job.handle = self.agent.initialize_xfer("WRITE", local, remote, agent_name)
         except Exception as e:  # noqa: BLE001 - NIXL reports errors as exceptions
             job.fail(f"NIXL write could not be prepared: {e}")
@@ -212,4 +229,4 @@ class NixlManager(CommonManager):
             self._reg = None
         self.pool = None
         self.agent = None  # the agent and its UCX worker go with the last reference
-        # self._mem stays mapped while views exported by allocate_pool() live
+        # self._mem stays mapped while views exported by place_pool() live

@@ -21,6 +21,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from kvrelay.core.kvlayout import host_address
 from kvrelay.disagg.transfer.base import PeerInfo, WriteJob
 from kvrelay.disagg.transfer.common import CommonManager
 
@@ -134,18 +135,23 @@ class ShmManager(CommonManager):
         self._attached: dict[str, Segment | str] = {}  # peer address -> segment | error
 
     # ---- pool and endpoint ---------------------------------------------------------------
-    def allocate_pool(self, num_pages: int) -> memoryview:
-        if self.pool is not None:
-            raise RuntimeError("the KV pool is allocated once per worker")
-        nbytes = num_pages * self.layout.page_bytes
+    def place_pool(self, nbytes: int) -> memoryview:
+        if self.segment is not None:
+            raise RuntimeError("the KV pool is placed once per worker")
         self.segment = create_segment(SEGMENT_PREFIX + self.incarnation, nbytes)
-        self.pool = self.segment.buf[:nbytes]
-        return self.pool
+        return self.segment.buf[:nbytes]
+
+    def register_kv(self, regions) -> None:
+        # Peers map the segment: the pool must be the memory place_pool handed out.
+        region, seg = self.check_regions(regions), self.segment
+        if seg is None or region.ptr != host_address(seg.buf):
+            raise ValueError("the shm backend moves a pool placed in its segment (place_pool)")
+        super().register_kv(regions)
 
     def endpoint(self) -> dict:
-        if self.segment is None:
+        if self.segment is None or self.region is None:
             return {}
-        return {"segment": self.segment.name, "bytes": len(self.pool or b"")}
+        return {"segment": self.segment.name, "bytes": self.region.nbytes}
 
     def connect(self, peer: PeerInfo) -> None:
         name = peer.endpoint.get("segment")

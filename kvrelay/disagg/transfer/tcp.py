@@ -2,7 +2,7 @@
 
 P sends the KV as TcpKV messages: a JSON header naming (room, epoch, a run of consecutive
 destination pages) and one raw frame holding those pages' bytes, a zero-copy view of P's
-pool. Aux follows on the same socket, so it arrives after every KV message. D copies a
+pool (a device pool's pages are staged through host memory first). Aux follows on the same socket, so it arrives after every KV message. D copies a
 frame into its pool only if (room, epoch) still owns every destination page at that
 moment; otherwise the frame is dropped, so a late or foreign frame never lands.
 
@@ -73,6 +73,7 @@ def chunks(runs: list[tuple[int, int, int]], page_bytes: int, limit: int) -> lis
 class TcpManager(CommonManager):
     name = "tcp"
     one_sided = False
+    memory = ("cpu", "cuda")   # device pages go through host buffers (KVRegion.stage)
     dropped_frames = 0  # KV messages refused by the ownership check or malformed (a counter)
 
     def max_data_frame(self) -> int:
@@ -86,13 +87,13 @@ class TcpManager(CommonManager):
 
     def write_progress(self, job: WriteJob) -> None:
         """Queue as many chunks as the socket takes now; the rest waits for the next call."""
-        pending, src, pb = job.handle, self.pool, self.layout.page_bytes
-        if not isinstance(pending, deque) or src is None:
+        pending, pb = job.handle, self.layout.page_bytes
+        if not isinstance(pending, deque) or self.region is None:
             return
         while pending:
             s, d, n = pending[0]
             header = TcpKV(job.room, job.epoch, d // pb, n // pb)
-            if not self.channel.send(job.peer.address, header, [src[s:s + n]]):
+            if not self.channel.send(job.peer.address, header, [self.read_pool(s, n)]):
                 return  # socket full (high-water mark): retry on the next progress()
             pending.popleft()
             job.bytes_sent += n
@@ -106,16 +107,16 @@ class TcpManager(CommonManager):
     # ---- D side ----------------------------------------------------------------------------
     def on_data(self, received: Received) -> None:
         msg = received.msg
-        if not isinstance(msg, TcpKV) or self.pool is None:
+        if not isinstance(msg, TcpKV) or self.region is None:
             return
         pb, pages = self.layout.page_bytes, msg.dst_pages
         data = memoryview(received.frames[0]) if len(received.frames) == 1 else memoryview(b"")
-        if len(data) != len(pages) * pb or pages.stop * pb > len(self.pool):
+        if len(data) != len(pages) * pb or pages.stop * pb > self.region.nbytes:
             self.dropped_frames += 1
             reject_input("transfer", "bad_frame", f"{len(data)} bytes for pages {pages}", received.src)
             return
         if not self.owner_ok(msg.room, msg.epoch, pages):
             self.dropped_frames += 1  # late or foreign bytes never land
             return
-        self.pool[pages.start * pb:pages.stop * pb] = data
+        self.write_pool(pages.start * pb, data)
         self.mark_landed(msg.room, msg.epoch, pages)
