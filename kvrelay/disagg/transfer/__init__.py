@@ -14,6 +14,7 @@ TRANSFER_BACKENDS.register_lazy("fake-twosided", "kvrelay.disagg.transfer.fake:F
 TRANSFER_BACKENDS.register_lazy("shm", "kvrelay.disagg.transfer.shm:ShmManager")
 TRANSFER_BACKENDS.register_lazy("tcp", "kvrelay.disagg.transfer.tcp:TcpManager")
 TRANSFER_BACKENDS.register_lazy("nixl", "kvrelay.disagg.transfer.nixl:NixlManager")
+TRANSFER_BACKENDS.register_lazy("cuda_ipc", "kvrelay.disagg.transfer.cuda_ipc:CudaIpcManager")
 
 
 def create_manager(name: str, layout, transfer=None, **kwargs):
