@@ -1,12 +1,14 @@
 """Test helpers: tiny random-weight Hugging Face model directories (no download needed).
 
 `make_tiny_model_dir` writes config.json + model.safetensors (built by transformers, so
-the checkpoint is a genuine HF one) + the default model's tokenizer. Every parameter is
+the checkpoint is a genuine HF one) + the default model's tokenizer (or the one saved in
+the directory that KVRELAY_TEST_TOKENIZER names). Every parameter is
 random, biases and norm weights included, so a wrong name mapping cannot hide behind an
 all-zero bias or an all-one norm.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -45,10 +47,14 @@ def make_tiny_model_dir(path, arch: str = "llama", seed: int = 0, **overrides) -
     from transformers import AutoModelForCausalLM
 
     from kvrelay.engine.loader import default_tokenizer
+    from kvrelay.engine.sources import auto_tokenizer
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = default_tokenizer()
+    # Where the default model's package cannot be installed (a GPU machine with nothing to
+    # download), its tokenizer travels as files: benchmarks/gpu/prepare.sh.
+    saved = os.environ.get("KVRELAY_TEST_TOKENIZER")
+    tokenizer = auto_tokenizer(Path(saved)) if saved else default_tokenizer()
     config_class = getattr(transformers, _CONFIG_CLASSES[arch])
     cfg = config_class(**tiny_config_kwargs(arch, len(tokenizer), **overrides))
     with torch.random.fork_rng():
