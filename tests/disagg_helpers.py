@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 
 from kvrelay.core.clock import SimClock
@@ -52,6 +53,16 @@ def backends_under_test() -> list[str]:
 
 
 BACKENDS = backends_under_test()
+
+
+@contextmanager
+def opened(backend: str, **kw):
+    """A manager of `backend` in LAYOUT, closed on the way out (kw: create_manager's)."""
+    m = create_manager(backend, LAYOUT, TransferConfig(transfer_backend=backend), **kw)
+    try:
+        yield m
+    finally:
+        m.close()
 
 
 def pattern(seed: int, nbytes: int) -> bytes:

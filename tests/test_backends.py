@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from disagg_helpers import LAYOUT, checksum, pattern
+from disagg_helpers import LAYOUT, checksum, opened, pattern
 from kvrelay.core.config import TransferConfig
 from kvrelay.disagg import wire
 from kvrelay.disagg.auth import ChannelAuth
@@ -215,12 +215,8 @@ def test_shm_pool_larger_than_dev_shm_fails_loudly(monkeypatch):
     class Tiny:
         f_bavail, f_frsize = 1, 4096
     monkeypatch.setattr(shm.os, "statvfs", lambda path: Tiny())
-    m = create_manager("shm", LAYOUT, TransferConfig(transfer_backend="shm"))
-    try:
-        with pytest.raises(RuntimeError, match="shm-size"):
-            host_pool(m, 16)
-    finally:
-        m.close()
+    with opened("shm") as m, pytest.raises(RuntimeError, match="shm-size"):
+        host_pool(m, 16)
 
 
 def test_shm_unattachable_peer_fails_the_write():

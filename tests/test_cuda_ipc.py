@@ -7,7 +7,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from disagg_helpers import LAYOUT
+from disagg_helpers import LAYOUT, opened
 from kvrelay.core.config import TransferConfig
 from kvrelay.disagg.transfer import TRANSFER_BACKENDS, create_manager
 from kvrelay.disagg.transfer.base import host_pool
@@ -41,12 +41,9 @@ def test_an_endpoint_is_checked_before_torch_sees_it(endpoint, match):
 
 
 def test_a_host_pool_is_refused():
-    m = create_manager("cuda_ipc", LAYOUT, TransferConfig(transfer_backend="cuda_ipc"))
-    try:
+    with opened("cuda_ipc") as m:
         with pytest.raises(ValueError, match="the cuda_ipc transfer backend moves cuda memory, not cpu"):
             host_pool(m, 4)
-    finally:
-        m.close()
 
 
 def _decode_side(layout, num_pages, conn) -> None:

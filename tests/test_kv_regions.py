@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disagg_helpers import LAYOUT, pattern
+from disagg_helpers import LAYOUT, opened, pattern
 from kvrelay.core.config import TransferConfig
 from kvrelay.core.kvlayout import KVRegion
 from kvrelay.disagg import wire
@@ -61,14 +61,11 @@ HOST_ONLY = [b for b in TRANSFER_BACKENDS.names()
 @pytest.mark.parametrize("backend", HOST_ONLY)
 def test_a_host_backend_refuses_device_memory(backend):
     kw = {} if backend in REAL else {"network": InProcNetwork()}
-    m = create_manager(backend, LAYOUT, TransferConfig(transfer_backend=backend), **kw)
-    try:
+    with opened(backend, **kw) as m:
         region = KVRegion(1 << 20, 4 * PB, "cuda:0", LAYOUT, stage=NoStager())
         with pytest.raises(ValueError, match=f"the {backend} transfer backend moves cpu memory, not cuda:0"):
             m.register_kv([region])
         assert m.region is None
-    finally:
-        m.close()
 
 
 def test_every_backend_says_which_memory_it_moves():
@@ -79,28 +76,22 @@ def test_every_backend_says_which_memory_it_moves():
 
 def test_register_kv_refuses_two_pools_and_another_layout():
     from dataclasses import replace
-    m = create_manager("tcp", LAYOUT, TransferConfig(transfer_backend="tcp"))
-    try:
+    with opened("tcp") as m:
         with pytest.raises(ValueError, match="layout differs: page_size"):
             m.register_kv([KVRegion.of_host(bytearray(replace(LAYOUT, page_size=8).page_bytes * 2),
                                             replace(LAYOUT, page_size=8))])
         host_pool(m, 4)
         with pytest.raises(RuntimeError, match="registered once"):
             host_pool(m, 4)
-    finally:
-        m.close()
 
 
 def test_shm_moves_only_the_pool_placed_in_its_segment():
-    m = create_manager("shm", LAYOUT, TransferConfig(transfer_backend="shm"))
-    try:
+    with opened("shm") as m:
         with pytest.raises(ValueError, match="placed in its segment"):
             m.register_kv([KVRegion.of_host(bytearray(4 * PB), LAYOUT)])
         placed = m.place_pool(4 * PB)
         m.register_kv([KVRegion.of_host(placed, LAYOUT)])
         assert m.endpoint()["bytes"] == 4 * PB
-    finally:
-        m.close()
 
 
 def test_tcp_moves_device_pages_through_their_stagers(monkeypatch):
