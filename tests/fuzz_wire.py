@@ -69,7 +69,7 @@ def main() -> int:
 
         @seed(args.seed)
         @settings(max_examples=args.frames, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-        @given(frames(pair.P.core.layout))
+        @given(frames(pair.P.core.engine.layout))
         def one(parts):
             if insider is not None and parts:
                 auth = outsider if sent[0] % 20 == 1 else insider

@@ -155,6 +155,40 @@ def test_shed_ttft_refuses_a_request_predicted_to_miss_it_and_serves_the_rest(ti
     core.check_idle()
 
 
+def test_request_finished_hook_keeps_pages_under_one_holder(tiny_loaded):
+    """EngineHooks: a finished choice's pages go to the holder `request_finished` names
+    (prefill-only here, as on a prefill worker; n=2 choices, so choice 0 alone holds them
+    and choice 1's shared references are dropped) and stay used until that holder is
+    freed, its one release path; a hook returning None leaves the pages to the engine."""
+    from kvrelay.engine.core import EngineCore
+    from kvrelay.engine.hooks import EngineHooks
+
+    class Keep(EngineHooks):
+        def __init__(self) -> None:
+            self.seen = []
+
+        def request_finished(self, req, last):
+            self.seen.append((req.rid, req.index, last.token_id, list(req.pages)))
+            return ("held", req.rid) if req.rid == "keep" and req.index == 0 else None
+
+    hooks = Keep()
+    core = EngineCore(tiny_loaded, KVCacheConfig(page_size=4, max_kv_tokens=256), SchedulerConfig(), hooks=hooks)
+    outs = []
+    core.add(GenerateRequest("keep", tuple(range(5, 15)), greedy(max_tokens=4, n=2)), outs.append, prefill_only=True)
+    core.add(GenerateRequest("free", tuple(range(5, 12)), greedy(max_tokens=3)), outs.append)
+    while core.has_work:
+        core.step()
+    assert [(rid, i) for rid, i, _, _ in hooks.seen] == [("keep", 0), ("keep", 1), ("free", 0)]
+    kept = hooks.seen[0][3]
+    assert kept and hooks.seen[1][3] == kept   # choice 1 shared choice 0's prompt pages
+    assert core.allocator.pages_of(("held", "keep")) == kept
+    assert core.allocator.num_used == len(kept)
+    core.allocator.check_integrity()
+    assert sum(o.finished for o in outs if o.rid == "keep") == 2 and sum(o.finished for o in outs) == 3
+    core.allocator.free(("held", "keep"))
+    core.check_idle()
+
+
 def test_preemption_keeps_greedy_outputs(tiny_loaded):
     """A pool too small for every request at once forces preemption and recompute."""
     small = build_engine(tiny_loaded, KVCacheConfig(page_size=4, max_kv_tokens=96),

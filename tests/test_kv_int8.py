@@ -267,7 +267,7 @@ def test_disaggregated_returns_the_colocated_tokens(tiny_loaded, backend, kv_dty
     finally:
         colocated.shutdown()
     with pair(tiny_loaded, backend, kv_dtype, kv_dtype) as p:
-        assert p.P.core.layout.kv_dtype == p.D.core.layout.kv_dtype == kv_dtype
+        assert p.P.core.engine.layout.kv_dtype == p.D.core.engine.layout.kv_dtype == kv_dtype
 
         async def main():
             return await asyncio.gather(*[p.run(r) for r in reqs])

@@ -345,12 +345,13 @@ def test_prefill_steps_stay_inside_the_heartbeat_interval(tiny_loaded):
         for engine, step_share in ((pair.P, LONG_STEP_SHARE), (pair.D, STEP_SHARE)):
             def fit(tokens, seconds, engine=engine):
                 def run(c):
-                    c.last_prefill = (tokens, seconds)
+                    c.engine.last_prefill = (tokens, seconds)
                     c._fit_prefill_budget()
-                    return c.scheduler.prefill_budget
+                    return c.engine.scheduler.prefill_budget
                 return engine.call(run)
 
-            assert engine.call(lambda c: c.scheduler.prefill_budget) == min(SCHED.max_prefill_tokens, FIRST_BUDGET)
+            first = engine.call(lambda c: c.engine.scheduler.prefill_budget)
+            assert first == min(SCHED.max_prefill_tokens, FIRST_BUDGET)
             slow = 100 / (LIFE.heartbeat_interval * step_share)   # 100 tokens fill the target step time
             budgets = [fit(slow, 1.0) for _ in range(12)]
             assert budgets[-1] == 100 // KV.page_size * KV.page_size   # the measured rate, down to a page
@@ -361,7 +362,7 @@ def test_prefill_steps_stay_inside_the_heartbeat_interval(tiny_loaded):
             assert all(b % STEP_GRANULE == 0 for b in budgets if b >= STEP_GRANULE)
             assert fit(10**9, 1.0) <= SCHED.max_prefill_tokens and fit(1, 100.0) >= KV.page_size
         # A real prompt longer than the budget is prefilled in chunks and still served.
-        pair.P.call(lambda c: setattr(c.scheduler, "prefill_budget", 64))
+        pair.P.call(lambda c: setattr(c.engine.scheduler, "prefill_budget", 64))
         pouts, douts = asyncio.run(pair.run(greedy("chunked", range(5, 400), n=4)))
         assert douts[-1].finish_reason is FinishReason.LENGTH and len(tokens(douts)) == 4
         pair.assert_idle()
@@ -383,7 +384,7 @@ def test_a_prefill_step_longer_than_the_lease_keeps_its_pair_and_answers_reads(t
         slow_now = threading.Event()
 
         def slow_layers(c):
-            inner = c.runner.between_layers
+            inner = c.engine.runner.between_layers
 
             def between_layers():
                 if slow_now.is_set():
@@ -395,7 +396,7 @@ def test_a_prefill_step_longer_than_the_lease_keeps_its_pair_and_answers_reads(t
                     marks["end"] = time.monotonic()
                 else:
                     inner()
-            c.runner.between_layers = between_layers
+            c.engine.runner.between_layers = between_layers
         pair.P.call(slow_layers)
         slow_now.set()
         with ThreadPoolExecutor(1) as pool:

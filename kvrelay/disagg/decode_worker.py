@@ -1,5 +1,5 @@
-"""The decode worker's core: the engine plus the decode side of the lifecycle, stepped
-together on the engine thread.
+"""The decode worker's core: the engine it holds plus the decode side of the lifecycle,
+stepped together on the engine thread.
 
 A leg goes: `add` (bootstrap: learn P's endpoint, reserve pages, waiting while the pool
 is full) -> waiting (destination sent; KV and aux arriving) -> `take_ready`: the pages
@@ -23,13 +23,11 @@ Invariants:
 """
 from __future__ import annotations
 
-
 from kvrelay.core import ids
 from kvrelay.disagg import wire
 from kvrelay.disagg.decode_side import DecodeSide
 from kvrelay.disagg.lifecycle import DPhase, Reason, TerminalEvent, phase_name
 from kvrelay.disagg.worker_core import Leg, WorkerCore, reason_of
-from kvrelay.engine.core import EngineCore
 from kvrelay.engine.sampling import SampleResult
 from kvrelay.engine.scheduler import pages_for
 from kvrelay.engine.types import FinishReason, GenerateRequest, RequestRejected, StepOutput, TokenLogprob
@@ -43,31 +41,30 @@ class DecodeCore(WorkerCore):
 
     def _make_side(self) -> DecodeSide:
         return DecodeSide(self.lifecycle_cfg, self.manager, self.clock, self._reserve, self._release_room,
-                          on_terminal=self._on_terminal, capacity=self.kv.num_pages)
+                          on_terminal=self._on_terminal, capacity=self.engine.kv.num_pages)
 
     # ---- legs ----------------------------------------------------------------------------
-    def add(self, greq: GenerateRequest, sink, room: int,  # type: ignore[override]
-            prefill_address: str | None) -> None:
+    def add(self, greq: GenerateRequest, sink, room: int, prefill_address: str | None) -> None:
         """`prefill_address`: the P that computes the prompt; None: this engine does."""
         self.validate_leg(greq)
-        if prefill_address is None and greq.rid in self._reqs:   # so that EngineCore.add cannot refuse it
+        if prefill_address is None and self.engine.request(greq.rid) is not None:   # engine.add would refuse it
             raise RequestRejected(f"request id {greq.rid} is already live on this worker", param="rid")
         leg = Leg(greq, sink, room, finals=greq.params.n)
         self._add_leg(leg)
         if prefill_address is None:
             self.side.add_local(room, greq.rid)
             leg.in_engine = True
-            EngineCore.add(self, greq, self._engine_sink(leg))
+            self.engine.add(greq, self._engine_sink(leg))
             return
-        self.side.add(room, greq.rid, prefill_address, pages_for(len(greq.prompt_ids), self.layout.page_size))
+        self.side.add(room, greq.rid, prefill_address, pages_for(len(greq.prompt_ids), self.engine.layout.page_size))
 
     def queued_prompt_tokens(self) -> int:
         """Prompt tokens this engine has yet to compute: of the legs it prefills itself and
         of preempted requests it recomputes."""
-        return sum(r.seq_len - r.num_computed for r in self.scheduler.waiting)
+        return sum(r.seq_len - r.num_computed for r in self.engine.scheduler.waiting)
 
     def _reserve(self, room: int, n: int) -> tuple[list[int], int] | None:
-        pages = self.allocator.allocate(n, ("room", room))
+        pages = self.engine.allocator.allocate(n, ("room", room))
         if pages is None:
             return None
         # A new epoch per reservation, random: a late write for an old one is recognisable,
@@ -75,13 +72,11 @@ class DecodeCore(WorkerCore):
         return pages, 1 + ids.randbelow(wire.I63)
 
     def _release_room(self, room: int, pages: list[int]) -> None:
-        self.allocator.free(("room", room))
+        self.engine.allocator.free(("room", room))
 
-    def step(self) -> None:
-        self.side.step()
+    def _feed_engine(self) -> None:
         for room, aux in self.side.take_ready():
             self._start_decode(room, aux)
-        self._engine_step()
 
     def _start_decode(self, room: int, aux) -> None:
         leg = self.legs[room]
@@ -98,11 +93,11 @@ class DecodeCore(WorkerCore):
                 lp = TokenLogprob(t.token, t.logprob, tuple(t.top_logprobs)[:params.logprobs])
             firsts.append(SampleResult(t.token, lp))
         pages = self.side.lc.rooms[room].data.pages
-        self.allocator.transfer(("room", room), rid)
+        self.engine.allocator.transfer(("room", room), rid)
         leg.in_engine = True
         if self.metrics is not None:   # since the leg arrived: bootstrap + waiting for the KV
             self.metrics.observe_leg_first_token(self.clock.now() - self.side.lc.rooms[room].created)
-        self.add_prefilled(leg.greq, self._engine_sink(leg), pages, firsts)
+        self.engine.add_prefilled(leg.greq, self._engine_sink(leg), pages, firsts)
 
     def _engine_sink(self, leg: Leg):
         def sink(out: StepOutput) -> None:
@@ -123,16 +118,16 @@ class DecodeCore(WorkerCore):
             return
         if leg.in_engine:  # ended while decoding (abort, --max-request-time): the engine answers
             aborted = ev.phase == "aborted"
-            super().abort(leg.greq.rid, FinishReason.ABORT if aborted else FinishReason.ERROR,
-                          None if aborted else f"{ev.reason}: {ev.detail}")
+            self.engine.abort(leg.greq.rid, FinishReason.ABORT if aborted else FinishReason.ERROR,
+                              None if aborted else f"{ev.reason}: {ev.detail}")
         else:
             self._answer_failed(leg, ev)
 
     def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> None:
         room = self.room_of.get(rid)
         if room is None:
-            super().abort(rid, reason, error)
+            self.engine.abort(rid, reason, error)
         elif self.legs[room].in_engine:
-            super().abort(rid, reason, error)  # the engine sink ends the room
+            self.engine.abort(rid, reason, error)  # the engine sink ends the room
         else:
             self.side.abort(room, *reason_of(StepOutput(rid, finish_reason=reason, error=error)))

@@ -150,7 +150,7 @@ class Coordinator(ABC):
         # reason (transfer_error, say) is the one the room ends with, not peer_failed.
         self._poll_rooms()
         self._read_heartbeats()
-        if not mutation.on("timeouts_only_after_batch"):  # TensorRT-LLM #17124: see WorkerCore._engine_step
+        if not mutation.on("timeouts_only_after_batch"):  # TensorRT-LLM #17124: see WorkerCore.step
             self._watchdog()
         self._beat()
         self._expire_tombstones()

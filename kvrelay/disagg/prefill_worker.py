@@ -1,25 +1,28 @@
-"""The prefill worker's core: the engine plus the prefill side of the lifecycle, stepped
-together on the engine thread.
+"""The prefill worker's core: the engine it holds plus the prefill side of the lifecycle,
+stepped together on the engine thread.
 
 A leg goes: `add` (bootstrap: waiting for D's destination) -> queued -> handed to the
-engine as a prefill-only request (prefill) -> `_handoff`: its pages change owner from the
-request to the room, and the transfer starts (transfer) -> D's ack, or any failure, ends
-the room and frees the pages (`_release_room`). The leg's sink gets exactly one output,
-when the room ends: finish_reason LENGTH for done, else ERROR/ABORT with the reason.
+engine as a prefill-only request (prefill) -> `request_finished` (the engine's hook): the
+transfer starts (transfer), and the engine hands the request's pages to the room -> D's
+ack, or any failure, ends the room and frees the pages (`_release_room`). The leg's sink
+gets exactly one output, when the room ends: finish_reason LENGTH for done, else
+ERROR/ABORT with the reason.
 
 A request of n > 1 choices is prefilled once and its KV sent once: the engine forks it at
 the first token, each choice samples its first token from the same logits with its own
-sampling state, and `_handoff` (called once per choice, in index order, in one step)
-collects the n tokens into one `Aux`; only choice 0's references move to the room, the
-others' are dropped as those choices end there.
+sampling state, and `request_finished` (called once per choice, in index order, in one
+step) collects the n tokens into one `Aux`; only choice 0's references move to the room,
+the others' are dropped as those choices end there.
 
 Invariants:
 - Pages of a room in transfer are owned by `("room", room)` in the engine's allocator; a
   room that ends before its prefill finished is aborted in the engine, which frees them.
 - Heartbeats leave from `step()` and, inside a prefill pass, between its layers
-  (`_mid_step`): both on the scheduler loop's thread, so a hung loop or pass stops beating.
+  (`between_layers`): both on the scheduler loop's thread, so a hung loop or pass stops beating.
 """
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 from kvrelay.disagg import wire
 from kvrelay.disagg.lifecycle import PPhase, TerminalEvent, phase_name
@@ -42,22 +45,21 @@ class PrefillCore(WorkerCore):
                            on_terminal=self._on_terminal)
 
     # ---- legs ----------------------------------------------------------------------------
-    def add(self, greq: GenerateRequest, sink, room: int) -> None:  # type: ignore[override]
+    def add(self, greq: GenerateRequest, sink, room: int) -> None:
         self.validate_leg(greq)
         self._add_leg(Leg(greq, sink, room))
         self.side.add(room, greq.rid)
 
-    def step(self) -> None:
-        self.side.step()
-        if not self.scheduler.waiting:  # rooms wait in `queued` (with its deadline), not in the engine
-            free = self.scheduler.config.max_running_requests - len(self.scheduler.running)
+    def _feed_engine(self) -> None:
+        sched = self.engine.scheduler
+        if not sched.waiting:  # rooms wait in `queued` (with its deadline), not in the engine
+            free = sched.config.max_running_requests - len(sched.running)
             for room in self.side.take_queued(max(free, 0)):
                 leg = self.legs[room]
-                super().add(leg.greq, self._engine_sink(room), prefill_only=True)
+                self.engine.add(leg.greq, self._engine_sink(room), prefill_only=True)
                 leg.in_engine = True
                 if self.metrics is not None:   # queued since the leg arrived: bootstrap + queued
                     self.metrics.observe_queue(self.clock.now() - self.side.lc.rooms[room].created)
-        self._engine_step()
 
     def queued_prompt_tokens(self) -> int:
         """Of every room not yet handed off (bootstrap, queued, prefill): its prompt tokens
@@ -67,13 +69,13 @@ class PrefillCore(WorkerCore):
             r = self.side.lc.rooms.get(room)
             if r is None or r.phase not in (PPhase.BOOTSTRAP, PPhase.QUEUED, PPhase.PREFILL):
                 continue
-            req = self._reqs.get(leg.greq.rid) if leg.in_engine else None
+            req = self.engine.request(leg.greq.rid) if leg.in_engine else None
             total += len(leg.greq.prompt_ids) - (req.num_computed if req is not None else 0)
         return total
 
     def _engine_sink(self, room: int):
         def sink(out: StepOutput) -> None:
-            # Normal ends went through _handoff; an engine abort or error fails the room.
+            # Normal ends went through request_finished; an engine abort or error fails the room.
             if out.finished and out.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
                 self.side.abort(room, *reason_of(out))
         return sink
@@ -81,30 +83,38 @@ class PrefillCore(WorkerCore):
     def final_outputs(self, greq: GenerateRequest) -> int:
         return 1   # the leg's one answer, whatever n is
 
-    def _handoff(self, req: Req, first: SampleResult) -> None:
+    def request_finished(self, req: Req, last: SampleResult) -> Hashable | None:   # EngineHooks
+        """A prefill-only choice has its first token (`last`): choice 0's pages go to the
+        room, and once every choice has its token the transfer starts. None (the engine
+        frees the pages) once the room has ended."""
         room = self.room_of.get(req.rid)
         r = self.side.lc.rooms.get(room) if room is not None else None
-        if r is None or r.phase is not PPhase.PREFILL:
-            return  # the room already ended: the engine frees the pages
+        if not req.prefill_only or r is None or r.phase is not PPhase.PREFILL:
+            return None
         leg = self.legs[room]
         if req.index == 0:
-            self.allocator.transfer(req.owner, ("room", room))
             leg.firsts = []
-        leg.firsts.append(first)
-        if len(leg.firsts) < req.params.n:
-            return   # the next choice hands off in this same step
+        leg.firsts.append(last)
+        if len(leg.firsts) == req.params.n:
+            # Every choice's pages are the prompt's: shared, never written by a prefill-only choice.
+            self._start_transfer(room, leg, req.prompt_len, list(req.pages), r.created)
+        return ("room", room) if req.index == 0 else None
+
+    def _start_transfer(self, room: int, leg: Leg, prompt_len: int, pages: list[int], created: float) -> None:
+        """The prompt's KV is in `pages` (the room's, once the engine has handed them over
+        as the hook returns) and each choice has its first token: send both to D."""
         tokens = [wire.FirstToken(f.token_id, f.logprob.logprob if f.logprob else None,
                                   tuple(f.logprob.top) if f.logprob else ()) for f in leg.firsts]
         head = tokens[0]
         aux = wire.Aux(room, 0, first_token=head.token, logprob=head.logprob, top_logprobs=head.top_logprobs,
-                       prompt_tokens=req.prompt_len, more_choices=tuple(tokens[1:]))
+                       prompt_tokens=prompt_len, more_choices=tuple(tokens[1:]))
         leg.in_engine = False
         if self.metrics is not None:
-            self.metrics.observe_leg_first_token(self.clock.now() - r.created)
-        self.side.prefill_done(room, self.allocator.pages_of(("room", room)), aux)
+            self.metrics.observe_leg_first_token(self.clock.now() - created)
+        self.side.prefill_done(room, pages, aux)
 
     def _release_room(self, room: int) -> None:
-        self.allocator.free(("room", room))
+        self.engine.allocator.free(("room", room))
 
     def _on_terminal(self, ev: TerminalEvent) -> None:
         self._record_terminal(ev)
@@ -112,7 +122,7 @@ class PrefillCore(WorkerCore):
         if leg is None:
             return
         if leg.in_engine:  # ended during its forward pass: the engine drops it and its pages
-            super().abort(leg.greq.rid, FinishReason.ABORT)
+            self.engine.abort(leg.greq.rid, FinishReason.ABORT)
         if ev.phase == "done":
             self._answer(leg, StepOutput(leg.greq.rid, finish_reason=FinishReason.LENGTH,
                                          prompt_tokens=len(leg.greq.prompt_ids)))

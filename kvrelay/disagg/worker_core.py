@@ -1,8 +1,18 @@
-"""What the prefill and decode worker cores share: an `EngineCore` whose KV pool is the
-transfer manager's buffer, one lifecycle coordinator (`side`) stepped by the engine loop,
-and the legs (one per room) that the HTTP layer waits on.
+"""What the prefill and decode worker cores share: the `EngineCore` they hold (`engine`),
+whose KV pool is the transfer manager's buffer, one lifecycle coordinator (`side`)
+stepped with it on the engine thread, and the legs (one per room) that the HTTP layer
+waits on.
+
+A worker core composes its engine and never overrides it: it calls the engine's public
+methods (add, add_prefilled, abort, step, the allocator for room-held pages) and hears
+from its loop through `EngineHooks` only: `request_finished` (a prefill-only request
+hands its pages to its room) and `between_layers` (the side's heartbeats inside a long
+prefill pass). `AsyncEngine` drives the worker core (`LoopCore`), not the engine.
 
 Invariants:
+- Every used page is held by engine requests (freed when they finish) or by one room,
+  `("room", room)` (freed by the side's release callback, exactly once per room: when it
+  ends, or when its quarantine does); nothing else holds pages in the engine's allocator.
 - Every leg ends with exactly one final output per choice it answers for (`Leg.finals`:
   a prefill leg 1, a decode leg n) to its sink, when its room ends (terminal event) or,
   once decoding, when the engine finishes each choice.
@@ -28,6 +38,7 @@ from kvrelay.disagg.lease import Coordinator
 from kvrelay.disagg.lifecycle import Reason, TerminalEvent, phase_name
 from kvrelay.disagg.transfer import create_manager
 from kvrelay.engine.core import EngineCore, kv_layout_for, num_pages_for
+from kvrelay.engine.hooks import EngineHooks
 from kvrelay.engine.sampling import validate_params
 from kvrelay.engine.types import ErrorCode, FinishReason, GenerateRequest, RequestRejected, StepOutput
 from kvrelay.obs.metrics import Snapshot
@@ -77,12 +88,11 @@ def reason_of(out: StepOutput) -> tuple[str, str]:
     return (out.error_code or ErrorCode.INTERNAL_ERROR).value, out.error_detail
 
 
-class WorkerCore(EngineCore):
+class WorkerCore(EngineHooks):
     role = ""
     PHASES: tuple[str, ...] = ()
     QUEUED_PHASES: tuple[str, ...] = ()   # phases that count as "queued" for the router's load view
     RUNNING_PHASES: tuple[str, ...] = ()  # phases whose requests the engine computes (vLLM's "running")
-    CLIENT_TIMINGS = False                # the router reports its requests' client-side timings
     LONG_STEPS = False                    # a prefill step may take LONG_STEP_SHARE (see step_share)
 
     def __init__(self, loaded, kv_cfg: KVCacheConfig, sched_cfg: SchedulerConfig, lifecycle_cfg: LifecycleConfig,
@@ -97,13 +107,16 @@ class WorkerCore(EngineCore):
         extra = {k: v for k, v in (("clock", clock), ("channel", channel)) if v is not None}
         self.manager = create_manager(transfer_cfg.transfer_backend, layout, transfer_cfg, auth=auth,
                                       lifecycle=lifecycle_cfg, **extra)
+        self.clock = self.manager.clock
         # The engine owns the pool (on its device; on the CPU where the backend places it)
         # and the backend registers it: one pool, allocated once, moved by the backend.
         try:
             placed = (self.manager.place_pool(num_pages_for(kv_cfg, layout) * layout.page_bytes)
                       if loaded.device == "cpu" else None)
-            super().__init__(loaded, kv_cfg, sched_cfg, clock=self.manager.clock, kv_buffer=placed, metrics=metrics)
-            self.manager.register_kv([self.kv.region()])
+            # The router reports its requests' client-side timings; the lifecycle counts outcomes.
+            self.engine = EngineCore(loaded, kv_cfg, sched_cfg, clock=self.clock, kv_buffer=placed, metrics=metrics,
+                                     hooks=self, serves_clients=False)
+            self.manager.register_kv([self.engine.kv.region()])
         except BaseException:
             self.manager.close()
             raise
@@ -112,16 +125,56 @@ class WorkerCore(EngineCore):
         self.side: Coordinator = self._make_side()
         self.side.lc.on_leave = self._observe_phase
         self._cap = sched_cfg.max_prefill_tokens
-        self.scheduler.prefill_budget = min(self._cap, FIRST_BUDGET)
-        self._budget = float(self.scheduler.prefill_budget)   # the smoothed target, before step_budget
+        self.engine.scheduler.prefill_budget = min(self._cap, FIRST_BUDGET)
+        self._budget = float(self.engine.scheduler.prefill_budget)   # the smoothed target, before step_budget
 
     @abstractmethod
     def _make_side(self) -> Coordinator: ...
 
+    @abstractmethod
+    def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> None:
+        """End request `rid`'s leg (its room, and its engine request if it has one)."""
+
+    @abstractmethod
+    def _feed_engine(self) -> None:
+        """Between the side's step and the engine's: hand the engine the rooms ready for it."""
+
+    # ---- what the loop reads (LoopCore) --------------------------------------------------
+    @property
+    def loaded(self):
+        return self.engine.loaded
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def metrics(self):
+        return self.engine.metrics
+
+    @property
+    def serve_reads(self) -> Callable[[], None] | None:
+        """The loop's read-only calls: the engine answers them between layers."""
+        return self.engine.serve_reads
+
+    @serve_reads.setter
+    def serve_reads(self, fn: Callable[[], None] | None) -> None:
+        self.engine.serve_reads = fn
+
+    def validate(self, greq: GenerateRequest) -> None:
+        self.engine.validate(greq)
+
+    def final_outputs(self, greq: GenerateRequest) -> int:
+        return self.engine.final_outputs(greq)
+
+    @property
+    def has_work(self) -> bool:
+        return self.engine.has_work
+
     # ---- legs ----------------------------------------------------------------------------
     def validate_leg(self, greq: GenerateRequest) -> None:
         """Raise RequestRejected unless this worker can serve the leg (fixed state only)."""
-        self.validate(greq)
+        self.engine.validate(greq)
         validate_params(greq.params)
 
     def _add_leg(self, leg: Leg) -> None:
@@ -170,15 +223,12 @@ class WorkerCore(EngineCore):
         if self.metrics is not None:
             self.metrics.record_finish(outcome, ev.reason or "done")
 
-    def _record_outcome(self, req) -> None:
-        """Terminal counters come from the lifecycle, one per room (`_record_terminal`)."""
-
     def _observe_phase(self, phase: str, seconds: float) -> None:
         if self.metrics is not None:
             self.metrics.observe_phase(phase, seconds)
 
     # ---- the loop ------------------------------------------------------------------------
-    def _mid_step(self) -> None:
+    def between_layers(self) -> None:   # EngineHooks
         self.side.mid_step()
 
     @property
@@ -186,31 +236,36 @@ class WorkerCore(EngineCore):
         """The share of a heartbeat interval one prefill step may take: LONG_STEP_SHARE
         where the runner heartbeats between layers and nothing waits on the step's end
         (LONG_STEPS), else STEP_SHARE."""
-        if self.LONG_STEPS and self.runner.CALLS_BETWEEN_LAYERS:
+        if self.LONG_STEPS and self.engine.runner.CALLS_BETWEEN_LAYERS:
             return LONG_STEP_SHARE
         return STEP_SHARE
 
-    def _engine_step(self) -> None:
+    def step(self) -> None:
+        """One iteration: the side's (peers' messages, heartbeats, watchdog), the rooms the
+        engine takes now, then the engine's step."""
+        self.side.step()
+        self._feed_engine()
         if mutation.on("timeouts_only_after_batch") and self.has_work:  # TensorRT-LLM #17124: only with a batch
             self.side._watchdog()
-        EngineCore.step(self)
+        self.engine.step()
         self._fit_prefill_budget()
 
     def _fit_prefill_budget(self) -> None:
         """The prompt tokens of a prefill step follow the measured rate, to take about
         `step_share` of a heartbeat interval (at most --max-prefill-tokens): heartbeats
         leave between steps, or between layers where the runner calls back there."""
-        if self.last_prefill is None:
+        engine = self.engine
+        if engine.last_prefill is None:
             return
-        tokens, seconds = self.last_prefill
-        self.last_prefill = None
+        tokens, seconds = engine.last_prefill
+        engine.last_prefill = None
         if seconds <= 0 or tokens <= 0:
             return
         target = tokens / seconds * self.lifecycle_cfg.heartbeat_interval * self.step_share
         self._budget = 0.5 * self._budget + 0.5 * target   # smooth: one noisy step moves it half way
-        self.scheduler.prefill_budget = step_budget(self._budget, self.layout.page_size, self._cap)
+        engine.scheduler.prefill_budget = step_budget(self._budget, engine.layout.page_size, self._cap)
         log.debug("prefill step", extra={"tokens": tokens, "seconds": round(seconds, 4),
-                                         "next_budget": self.scheduler.prefill_budget})
+                                         "next_budget": engine.scheduler.prefill_budget})
 
     @property
     def busy(self) -> bool:
@@ -221,7 +276,7 @@ class WorkerCore(EngineCore):
         return BUSY_WAIT if not self.side.idle() else IDLE_WAIT
 
     def live_rids(self) -> list[str]:
-        return list(dict.fromkeys([*self.room_of, *super().live_rids()]))
+        return list(dict.fromkeys([*self.room_of, *self.engine.live_rids()]))
 
     def abort_leg(self, rid: str) -> bool:
         """Abort by request id (the router's /abort). False if it is not live here."""
@@ -254,7 +309,7 @@ class WorkerCore(EngineCore):
         m = self.manager
         running, waiting = (sum(len(phases.get(p, ())) for p in names)
                             for names in (self.RUNNING_PHASES, self.QUEUED_PHASES))
-        return Snapshot(phases=phases, overdue=overdue, engine=self.engine_stats(running, waiting),
+        return Snapshot(phases=phases, overdue=overdue, engine=self.engine.engine_stats(running, waiting),
                         counters={"kvrelay_transfer_bytes": m.bytes_written,
                                   "kvrelay_transfer_seconds": m.write_seconds},
                         gauges={"kvrelay_kv_pages_quarantined": self.side.quarantined_pages()})
@@ -271,16 +326,17 @@ class WorkerCore(EngineCore):
         return {"requests": rows, "phases": phases}
 
     def health(self) -> dict:
+        e = self.engine
         return {"role": self.role, "worker_id": self.manager.worker_id, "incarnation": self.manager.incarnation,
-                "model": self.loaded.name, "max_model_len": self.max_model_len,
+                "model": e.loaded.name, "max_model_len": e.max_model_len,
                 "transfer_backend": self.manager.name, "transfer_address": self.manager.address,
                 "live_requests": len(self.side.lc.rooms), "queued_requests": self.queued_requests(),
-                "free_pages": self.allocator.num_free, "total_pages": self.allocator.num_total,
+                "free_pages": e.allocator.num_free, "total_pages": e.allocator.num_total,
                 "queued_prompt_tokens": self.queued_prompt_tokens(),
-                "prefill_s_per_token": self.scheduler.costs.per_token, **self.loaded.compute_info()}
+                "prefill_s_per_token": e.scheduler.costs.per_token, **e.loaded.compute_info()}
 
     def check_idle(self) -> None:
-        super().check_idle()
+        self.engine.check_idle()
         assert not self.legs and not self.room_of, f"live legs: {sorted(self.legs)}"
         assert self.side.idle(), f"live rooms: {self.side.live()}"
         counts = self.manager.counts()

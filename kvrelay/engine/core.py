@@ -1,8 +1,9 @@
 """The engine loop: schedule() -> run() -> postprocess(). Single-threaded; the async
 wrapper in engine.engine runs it on its own thread.
 
-Every request leaves through `Scheduler.finish`, which frees its pages; `check_idle`
-proves that nothing is left behind.
+Every request leaves through `Scheduler.finish`, which frees its pages, unless the
+engine's holder keeps them (`EngineHooks.request_finished`); `check_idle` proves that
+nothing is left behind.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from kvrelay.engine.allocator import PageAllocator
 from kvrelay.engine.core_share import YIELD_POLL, CoreShare
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.grammar import GrammarCompiler
+from kvrelay.engine.hooks import EngineHooks
 from kvrelay.engine.kv_pool import kv_pool_for
 from kvrelay.engine.request import Req, ReqStatus, choice_params
 from kvrelay.engine.runner import ModelRunner, SeqChunk
@@ -54,14 +56,18 @@ def num_pages_for(cfg: KVCacheConfig, layout: KVLayout) -> int:
 
 
 class EngineCore:
-    # Its requests come straight from clients (colocated): it reports their TTFT, inter-token
-    # latency, queue time and end-to-end latency. A worker core's client is the router.
-    CLIENT_TIMINGS = True
-
     def __init__(self, loaded, kv_cfg: KVCacheConfig, sched_cfg: SchedulerConfig,
                  clock: Clock | None = None, kv_buffer: memoryview | None = None,
-                 metrics: ServingMetrics | None = None) -> None:
+                 metrics: ServingMetrics | None = None, *, hooks: EngineHooks | None = None,
+                 serves_clients: bool = True) -> None:
+        """`hooks`: what the component holding this engine hears from its loop (a worker
+        core); none: a colocated engine. `serves_clients`: its requests come straight from
+        clients, so it reports their TTFT, inter-token latency, queue time and end-to-end
+        latency and counts their outcomes. False for a worker core's engine: its client is
+        the router, and its lifecycle counts outcomes, one per room."""
         self.loaded = loaded
+        self.hooks = hooks if hooks is not None else EngineHooks()
+        self.serves_clients = serves_clients
         self.metrics = metrics
         self.clock = clock or MonotonicClock()
         self.layout = kv_layout_for(loaded, kv_cfg.page_size, kv_cfg.kv_cache_dtype)
@@ -83,7 +89,7 @@ class EngineCore:
         self.last_prefill: tuple[int, float] | None = None  # (prompt tokens, seconds) of the latest prefill step
         self.prompt_tokens_done = 0    # prompts prefilled here, once per request (metrics)
         self.tokens_sampled = 0        # tokens sampled here (metrics)
-        self._last_token_at: dict[str, float] = {}   # rid -> when its latest token went out (CLIENT_TIMINGS)
+        self._last_token_at: dict[str, float] = {}   # rid -> when its latest token went out (serves_clients)
         # --core-share: this engine's part of the host's cores, set before each step (built
         # on the engine thread, the one whose OpenMP thread count torch.set_num_threads sets)
         self.core_share = CoreShare.from_spec(sched_cfg.core_share) if sched_cfg.core_share else None
@@ -148,8 +154,8 @@ class EngineCore:
         return greq.params.n
 
     def add(self, greq: GenerateRequest, sink: Sink, prefill_only: bool = False) -> None:
-        """Queue a request. `prefill_only`: it ends right after its first token, and
-        `_handoff` sees it before its pages are freed (the prefill worker)."""
+        """Queue a request. `prefill_only`: it ends right after its first token, which
+        `hooks.request_finished` sees before its pages are freed (the prefill worker)."""
         req = self._new_req(greq, sink, prefill_only)
         self.scheduler.add(req)
         self._shed_if_late(req)
@@ -223,14 +229,9 @@ class EngineCore:
         """Every request this core still owes a final output (a worker core adds its legs)."""
         return list(self._reqs)
 
-    def fail_all(self, error: str) -> None:
-        """After an iteration raised outside a forward pass: every live request ends now
-        with `error` (and frees its pages) rather than waiting on a loop that may raise again."""
-        for rid in self.live_rids():
-            try:
-                self.abort(rid, FinishReason.ERROR, error)
-            except Exception:  # one broken request must not keep the others pinned
-                log.exception("failing request %s after an engine error failed too", rid)
+    def request(self, rid: str) -> Req | None:
+        """The live record of request `rid` (choice 0), or None."""
+        return self._reqs.get(rid)
 
     @property
     def has_work(self) -> bool:
@@ -285,15 +286,11 @@ class EngineCore:
             return
         self._mid_step_at = now
         try:
-            self._mid_step()
+            self.hooks.between_layers()
             if self.serve_reads is not None:
                 self.serve_reads()
         except Exception:  # the pass goes on; the step's end meets the fault in the loop
             log.exception("work between layers failed")
-
-    def _mid_step(self) -> None:
-        """What a core does between layers besides answering reads (a worker core: its
-        peers' heartbeats and the transfer backend)."""
 
     def _queued_prompt(self) -> int:
         """Prompt tokens this engine has yet to compute."""
@@ -365,22 +362,17 @@ class EngineCore:
         if reason is not None:
             if not stopped:
                 out.text += req.detok.flush()
-            if req.prefill_only:
-                self._handoff(req, res)
+            holder = self.hooks.request_finished(req, res)
+            if holder is not None:   # the pages stay used, under the holder's one release path
+                self.allocator.transfer(req.owner, holder)
             self._finish(req, reason)
         return out
-
-    def _handoff(self, req: Req, first: SampleResult) -> None:
-        """A prefill-only request has its first token; its pages are freed right after this
-        returns unless an override takes them over (`allocator.transfer`). A request of n
-        choices calls it once per choice, in index order, within one step; only choice 0
-        holds the pages under the rid (the others hold shared references)."""
 
     def _finish(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
         self.scheduler.finish(req, reason, error)
 
     def _emit(self, req: Req, out: StepOutput) -> None:
-        if out.token_ids and self.metrics and self.CLIENT_TIMINGS and req.index == 0:   # choices advance together
+        if out.token_ids and self.metrics and self.serves_clients and req.index == 0:   # choices advance together
             self._observe_token(req)
         if out.token_ids and req.first_token_at is None:
             req.first_token_at = self.clock.now()
@@ -411,7 +403,7 @@ class EngineCore:
         for i in items:
             if i.completes and not i.req.output_ids:
                 self.prompt_tokens_done += i.req.prompt_len
-            if i.start == 0 and not i.req.num_preemptions and self.metrics and self.CLIENT_TIMINGS:
+            if i.start == 0 and not i.req.num_preemptions and self.metrics and self.serves_clients:
                 self.metrics.observe_queue(now - i.req.arrival)
 
     def _observe_token(self, req: Req) -> None:
@@ -427,7 +419,7 @@ class EngineCore:
         if req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and req.first_token_at is not None \
                 and len(req.output_ids) > 1:
             m.observe_tpot((self.clock.now() - req.first_token_at) / (len(req.output_ids) - 1))
-        if all(c.finished for c in req.choices):   # once per request, when its last choice ends
+        if self.serves_clients and all(c.finished for c in req.choices):   # once per request, at its end
             self._record_outcome(req)
 
     def _record_outcome(self, req: Req) -> None:

@@ -1,4 +1,5 @@
-"""AsyncEngine: runs EngineCore on a dedicated thread and serves it to asyncio callers.
+"""AsyncEngine: runs a core (an EngineCore, or a worker core holding one: `LoopCore`) on a
+dedicated thread and serves it to asyncio callers.
 
 The engine thread builds the core (loads the model) and is the only one that touches it,
 or torch at all: OpenMP keeps one worker team per calling thread, and a second team (say,
@@ -25,12 +26,54 @@ import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Protocol
 
 from kvrelay.engine.core import EngineCore
-from kvrelay.engine.types import EngineClient, GenerateRequest, StepOutput
+from kvrelay.engine.types import EngineClient, FinishReason, GenerateRequest, StepOutput
 
 log = logging.getLogger("kvrelay.engine")
+
+
+class LoopCore(Protocol):
+    """What the engine thread drives: `EngineCore` (colocated), or a disaggregated worker
+    core, which holds an `EngineCore` and steps its lifecycle beside it. Everything runs
+    on the engine thread, except `validate` and `final_outputs`, which read fixed state."""
+    loaded: object            # the model (name, tokenizer, compute info)
+    max_model_len: int
+    serve_reads: Callable[[], None] | None   # installed here: read-only calls, answered between layers
+
+    @property
+    def has_work(self) -> bool:
+        """A forward pass is due: the loop steps without waiting for a command."""
+
+    @property
+    def busy(self) -> bool:
+        """Anything is live (what `check_idle` waits out)."""
+
+    @property
+    def idle_wait(self) -> float:
+        """With no forward due, the longest the loop waits for a command before a step."""
+
+    def validate(self, greq: GenerateRequest) -> None:
+        """Raise RequestRejected if `greq` can never be served here."""
+
+    def final_outputs(self, greq: GenerateRequest) -> int:
+        """How many final outputs `greq`'s sink gets."""
+
+    def add(self, greq: GenerateRequest, sink: Callable[[StepOutput], None], **kwargs) -> None:
+        """Take a request (`kwargs`: what `generate` was given, e.g. a worker leg's room)."""
+
+    def abort(self, rid: str, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> None:
+        """End request `rid` if it is live; its sink gets its final outputs."""
+
+    def live_rids(self) -> list[str]:
+        """Every request still owed a final output."""
+
+    def step(self) -> None:
+        """One iteration's work after the commands: a forward pass, if any is due."""
+
+    def check_idle(self) -> None:
+        """Raise AssertionError unless nothing is live and every page is free."""
 
 
 def _sink_for(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> Callable[[StepOutput], None]:
@@ -43,7 +86,7 @@ def _sink_for(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> Callab
 
 
 class AsyncEngine(EngineClient):
-    def __init__(self, build_core: Callable[[], EngineCore], idle_wait: float = 0.05, *,
+    def __init__(self, build_core: Callable[[], LoopCore], idle_wait: float = 0.05, *,
                  threaded: bool = True) -> None:
         """Starts the engine thread, which runs `build_core()`; returns once it has, or
         raises what it raised (e.g. ModelLoadError). `threaded=False`: build the core
@@ -56,7 +99,7 @@ class AsyncEngine(EngineClient):
         self._stop = threading.Event()
         self._threaded = threaded
         if not threaded:
-            self.core: EngineCore = build_core()
+            self.core: LoopCore = build_core()
         else:
             built: concurrent.futures.Future = concurrent.futures.Future()
             self._thread = threading.Thread(target=self._main, args=(build_core, built), name="kvrelay-engine",
@@ -70,7 +113,7 @@ class AsyncEngine(EngineClient):
         return self.core.loaded.tokenizer
 
     # -- the engine thread -----------------------------------------------------------------
-    def _main(self, build_core: Callable[[], EngineCore], built: concurrent.futures.Future) -> None:
+    def _main(self, build_core: Callable[[], LoopCore], built: concurrent.futures.Future) -> None:
         try:
             self.core = build_core()
         except BaseException as exc:
@@ -98,8 +141,17 @@ class AsyncEngine(EngineClient):
             return True
         except Exception as exc:
             log.exception("engine iteration failed")
-            self.core.fail_all(f"internal_error: {exc}")
+            self._fail_all(f"internal_error: {exc}")
             return False
+
+    def _fail_all(self, error: str) -> None:
+        """After an iteration raised outside a forward pass: every live request ends now
+        with `error` (and frees its pages) rather than waiting on a loop that may raise again."""
+        for rid in self.core.live_rids():
+            try:
+                self.core.abort(rid, FinishReason.ERROR, error)
+            except Exception:  # one broken request must not keep the others pinned
+                log.exception("failing request %s after an engine error failed too", rid)
 
     def _drain(self, block: bool) -> None:
         while self._deferred:
@@ -155,7 +207,7 @@ class AsyncEngine(EngineClient):
             else:
                 self._deferred.append(cmd)
 
-    def call(self, fn: Callable[[EngineCore], object], timeout: float = 30.0, readonly: bool = False):
+    def call(self, fn: Callable[[LoopCore], object], timeout: float = 30.0, readonly: bool = False):
         """Run `fn(core)` on the engine thread between steps and return its result.
         `readonly`: `fn` changes nothing and reads only what is whole inside a step (counts,
         phases, queues): it may also run between the layers of a long prefill pass."""
@@ -163,7 +215,7 @@ class AsyncEngine(EngineClient):
         self._inbox.put(("call", fn, fut, readonly))
         return fut.result(timeout)
 
-    async def acall(self, fn: Callable[[EngineCore], object], timeout: float = 30.0, readonly: bool = False):
+    async def acall(self, fn: Callable[[LoopCore], object], timeout: float = 30.0, readonly: bool = False):
         """`call` for asyncio callers: waits without a thread of its own. Raises
         TimeoutError after `timeout` seconds (a wedged loop)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()

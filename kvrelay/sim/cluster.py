@@ -115,7 +115,7 @@ class SimWorker:
 
         self.engine = AsyncEngine(build, threaded=False)
         self.engine._inbox = _KickQueue(self._kick)
-        self.engine.core.scheduler.costs = ModelledCosts()
+        self.core.engine.scheduler.costs = ModelledCosts()
         m = self.core.manager
         m.write_iters, m.chunk_pages, m.chunk_interval = sim.write_iters, sim.chunk_pages, sim.chunk_interval
         m.land_delay = sim.land_delay
@@ -124,7 +124,7 @@ class SimWorker:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"sim-{self.name}")
 
     async def _run(self) -> None:
-        engine, runner = self.engine, self.engine.core.runner
+        engine, runner = self.engine, self.core.engine.runner
         while True:
             if self.state != "up":
                 self._kick.clear()
@@ -142,9 +142,10 @@ class SimWorker:
             core = engine.core
             if runner.work:
                 cost = (self.sim.costs.step + runner.work * self.sim.costs.per_token) * self.slow
-                if core.last_prefill is not None:
-                    core.last_prefill = (core.last_prefill[0], cost)   # what the step would have measured
-                core.scheduler.costs.charge(cost)
+                measured = core.engine.last_prefill
+                if measured is not None:
+                    core.engine.last_prefill = (measured[0], cost)   # what the step would have measured
+                core.engine.scheduler.costs.charge(cost)
                 await asyncio.sleep(cost)
             elif not self._kick.is_set():   # wait for a command, at most idle_wait (a timer kicks too)
                 wake = asyncio.get_running_loop().call_later(core.idle_wait, self._kick.set)

@@ -394,12 +394,12 @@ class Sim:
         self._check_progress(w)
         seen = self._checked[w.name]
         full = w.iterations % 16 == 0
-        for req in core.scheduler.running:
+        for req in core.engine.scheduler.running:
             if full or (req.rid, req.index) not in seen:
                 self._check_kv(w, req)
                 seen.add((req.rid, req.index))
         if full:
-            core.allocator.check_integrity()
+            core.engine.allocator.check_integrity()
             if w.iterations % 64 == 0:
                 self._check_debug_view(w)
 
@@ -410,7 +410,7 @@ class Sim:
         w = self._pools.get(pool_id)
         if w is None or w.core is None or w.core.manager.pool_id != pool_id or self.violation is not None:
             return
-        alloc = w.core.allocator
+        alloc = w.core.engine.allocator
         bad = [(p, alloc.holders(p)) for p in pages if alloc.holders(p) != [("room", room)]]
         if bad:
             self.fail(Violation("no-late-write", f"bytes of room {room} epoch {epoch} land in {w.name}'s pages "
@@ -451,7 +451,7 @@ class Sim:
         """no-starvation: the head of a worker's waiting queue, when the batch has room and
         the pages for its next chunk are free, is scheduled in the next iteration (FIFO);
         three iterations in a row without it is a stranded request."""
-        sched = w.core.scheduler
+        sched = w.core.engine.scheduler
         if not sched.waiting:
             self._starving.pop(w.name, None)
             return
@@ -461,10 +461,10 @@ class Sim:
         n = was[2] + 1 if was is not None and was[0] == key and was[1] else 0
         if n >= 3:
             raise Violation("no-starvation", f"{w.name}: {head.rid} heads the waiting queue for {n} iterations "
-                                             f"with room in the batch and {w.core.allocator.num_free} pages free")
+                                             f"with room in the batch and {sched.allocator.num_free} pages free")
         chunk = min(head.seq_len - head.num_computed, sched.prefill_budget)
         need = pages_for(head.num_computed + chunk, sched.page_size) - len(head.pages)
-        fits = len(sched.running) < sched.config.max_running_requests and need <= w.core.allocator.num_free
+        fits = len(sched.running) < sched.config.max_running_requests and need <= w.core.engine.allocator.num_free
         self._starving[w.name] = (key, fits, n)
 
     async def _watch_legs(self) -> None:
@@ -495,7 +495,7 @@ class Sim:
     def _check_kv(self, w: SimWorker, req) -> None:
         tokens = req.prompt_ids + req.output_ids
         n = len(tokens) - 1 if req.output_ids else req.num_computed
-        runner, h = w.core.runner, bytes(8)
+        runner, h = w.core.engine.runner, bytes(8)
         for pos in range(n):
             h = chain(h, tokens[pos])
             if runner.read(req.pages, pos) != h:
