@@ -21,8 +21,9 @@ KV8_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 KV8_MAX = {"int8": 127.0, "fp8_e4m3": 448.0}   # the largest magnitude each format holds
 
 
-def kv_pool_for(layout: KVLayout, num_pages: int, buffer: memoryview | None = None) -> "KVPool":
-    return (QuantizedKVPool if layout.quantized else KVPool)(layout, num_pages, buffer)
+def kv_pool_for(layout: KVLayout, num_pages: int, buffer: memoryview | None = None,
+                device: torch.device | str = "cpu") -> "KVPool":
+    return (QuantizedKVPool if layout.quantized else KVPool)(layout, num_pages, buffer, device)
 
 
 def quantize(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,17 +43,21 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 
 
 class KVPool:
-    def __init__(self, layout: KVLayout, num_pages: int, buffer: memoryview | None = None) -> None:
+    """`device`: where a pool the caller gives no buffer for lives (a buffer is host memory)."""
+
+    def __init__(self, layout: KVLayout, num_pages: int, buffer: memoryview | None = None,
+                 device: torch.device | str = "cpu") -> None:
         self.layout = layout
         self.num_pages = num_pages
         nbytes = num_pages * layout.page_bytes
         if buffer is None:
-            flat = torch.zeros(nbytes, dtype=torch.uint8)
+            flat = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         else:
             if len(buffer) < nbytes:
                 raise ValueError(f"KV buffer holds {len(buffer)} bytes, need {nbytes}")
             flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
         self._bytes = flat
+        self.device = flat.device
         self._views(flat)
 
     def _views(self, flat: torch.Tensor) -> None:
@@ -63,7 +68,7 @@ class KVPool:
         # Writes address single token slots inside those rows; gathers take whole rows.
         self._rows = self.data.view(num_pages * L * 2 * H, S, D)
         self._slots = self.data.view(num_pages * L * 2 * H * S, D)
-        self._heads = torch.arange(H)
+        self._heads = torch.arange(H, device=flat.device)
 
     @property
     def page_bytes(self) -> int:
@@ -147,7 +152,7 @@ class QuantizedKVPool(KVPool):
         self.data = self._raw.view(KV8_DTYPES[layout.kv_dtype])                   # [pages, L, 2, H, S, D]
         self.scales = pages[:, layout.scales_offset:].view(torch.float32).view(n, L, 2, H, S)
         self.compute_dtype = TORCH_DTYPES[layout.dtype]
-        self._heads, self._kv = torch.arange(H), torch.arange(2)
+        self._heads, self._kv = torch.arange(H, device=flat.device), torch.arange(2, device=flat.device)
 
     def slot_ids(self, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The write address [2, T] of tokens at (pages[t], offsets[t])."""

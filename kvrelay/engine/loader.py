@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 import torch
 
 from kvrelay.core.config import DEFAULT_MODEL, ModelOptions
-from kvrelay.engine import kernels
+from kvrelay.engine import attention, kernels
 from kvrelay.engine.gguf_file import GGUFFile, GGUFFormatError
 from kvrelay.engine.kv_pool import TORCH_DTYPES
 from kvrelay.engine.models import MODELS, model_types  # importing the package registers every architecture
@@ -56,6 +56,7 @@ class LoadedModel:
     make_runner: Callable | None = None
     weights: str = "same"           # WeightFormat.store (", lm_head <store>" where the head differs)
     kernels: str = "torch"          # the native kernel variant the model was packed for
+    attention_backend: str = "auto"  # --attention-backend, resolved (engine.attention)
 
     def compute_info(self) -> dict[str, str]:
         """What computes: reported at start-up and by /health."""
@@ -97,6 +98,10 @@ def load_model(opts: ModelOptions, progress: Progress | None = None, device: str
         raise ModelLoadError(f"unsupported lm-head quantization {opts.lm_head_quantization!r}; "
                              "choose auto, none, int8 or int4")
     dtype = resolve_dtype(opts.dtype, device)
+    try:   # before the weights: a backend that cannot run here is a start-up error
+        attention_backend = attention.resolve(opts.attention_backend, device, TORCH_DTYPES[dtype])
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
     fmt = weight_format(opts, dtype)
     opts = replace(opts, dtype=dtype)
     spec = opts.model
@@ -117,6 +122,7 @@ def load_model(opts: ModelOptions, progress: Progress | None = None, device: str
     head = fmt.for_head.store
     loaded.weights = fmt.store if head == fmt.store else f"{fmt.store}, lm_head {head}"
     loaded.kernels = kernels.isa()
+    loaded.attention_backend = attention_backend
     return loaded
 
 
