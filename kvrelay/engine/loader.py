@@ -60,7 +60,8 @@ class LoadedModel:
 
     def compute_info(self) -> dict[str, str]:
         """What computes: reported at start-up and by /health."""
-        return {"kernels": self.kernels, "dtype": self.dtype, "weights": self.weights}
+        return {"kernels": self.kernels, "dtype": self.dtype, "weights": self.weights,
+                "attention": self.attention_backend}
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:

@@ -171,7 +171,7 @@ def load_with_progress(load_model, opts):
 def startup_line(role: str, loaded, kv_tokens: int, url: str) -> str:
     info = loaded.compute_info()
     return (f"kvrelay {role}: model {loaded.name} ({info['dtype']}, kernels {info['kernels']}, weights "
-            f"{info['weights']}), KV capacity {kv_tokens} tokens, serving on {url}")
+            f"{info['weights']}, attention {info['attention']}), KV capacity {kv_tokens} tokens, serving on {url}")
 
 
 def stop_on_sigterm() -> None:

@@ -30,13 +30,15 @@ class TorchRefBackend(AttentionBackend):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                meta: TorchRefMetadata) -> torch.Tensor:
-        b = meta.batch
-        keys, values = self.kv.gather(layer, meta.read_rows, b.batch_size)        # [Hkv, B, max_kv, D]
-        keys = keys.float().repeat_interleave(self.group, 0).transpose(0, 1)       # [B, Hq, max_kv, D]
-        values = values.float().repeat_interleave(self.group, 0).transpose(0, 1)
-        queries = q[b.q_index].float().transpose(1, 2)                              # [B, Hq, max_q, D]
-        scores = (queries @ keys.transpose(-1, -2)).mul_(self.scale)                # [B, Hq, max_q, max_kv]
-        scores.masked_fill_(meta.masked_out, float("-inf"))
-        out = torch.softmax(scores, dim=-1) @ values                               # [B, Hq, max_q, D]
-        out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)
+        b, G, D = meta.batch, self.group, self.head_dim
+        B, max_q, Hkv = b.batch_size, b.q_index.shape[1], self.num_kv_heads
+        keys, values = self.kv.gather(layer, meta.read_rows, B)                   # [Hkv, B, max_kv, D]
+        f32 = dict(dtype=torch.float32, memory_format=torch.contiguous_format)
+        keys, values = keys.transpose(0, 1).to(**f32), values.transpose(0, 1).to(**f32)   # [B, Hkv, max_kv, D]
+        # Query head h reads kv head h // G: the G heads of a kv head are rows of one matmul.
+        queries = q.float()[b.q_index].view(B, max_q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * max_q, D)
+        scores = (queries @ keys.transpose(-1, -2)).mul_(self.scale)              # [B, Hkv, G * max_q, max_kv]
+        scores.view(B, Hkv, G, max_q, -1).masked_fill_(meta.masked_out[:, :, None], float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ values                               # [B, Hkv, G * max_q, D]
+        out = out.view(B, Hkv, G, max_q, D).permute(0, 3, 1, 2, 4).reshape(B * max_q, Hkv * G * D)
         return out[meta.row_slot].to(q.dtype)
