@@ -99,7 +99,10 @@ class ModelRunner(Runner):
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk], after_layer: Callable[[], None] | None = None) -> torch.Tensor:
         """float32 logits [B, vocab] of the last token of each chunk."""
-        return self.model(build_forward_batch(chunks, self.page_size), self.attention, after_layer)
+        batch = build_forward_batch(chunks, self.page_size)
+        if self.kv.device.type != "cpu":   # the index tensors go where the model and the pool are
+            batch = batch.to(self.kv.device)
+        return self.model(batch, self.attention, after_layer)
 
     def prefill(self, chunks: list[SeqChunk]) -> torch.Tensor:
         return self.forward(chunks, self.between_layers)
