@@ -1,6 +1,6 @@
 """One prompt's prefill, in process, with its attention on each path this CPU offers: the
 native kernel (`kernels/prefill_attention_*.h`) and, on a CPU with AMX, torch's flash
-kernel on the tiles (`models/layers.py`, `prefill_on_tiles`). The paths alternate within
+kernel on the tiles (`engine/attention/cpu_native.py`, `prefill_on_tiles`). The paths alternate within
 each round, so the machine's drift falls on both alike; every figure is one pass.
 
     .venv/bin/python benchmarks/prefill_passes.py                       # 512, 2048, 4096 tokens
@@ -26,18 +26,19 @@ from kvrelay.core.kvlayout import KVLayout  # noqa: E402
 from kvrelay.engine.kernels import amx_bf16  # noqa: E402
 from kvrelay.engine.kv_pool import KVPool  # noqa: E402
 from kvrelay.engine.loader import load_model  # noqa: E402
-from kvrelay.engine.models import layers  # noqa: E402
+from kvrelay.engine.attention import cpu_native as layers  # noqa: E402
+from kvrelay.engine.attention import make_attention_backend  # noqa: E402
 from kvrelay.engine.runner import SeqChunk, build_forward_batch  # noqa: E402
 
 PAGE = 16
 
 
 class AttentionClock:
-    """Seconds spent inside PagedAttention.forward while installed."""
+    """Seconds spent inside CpuNativeBackend.attend while installed."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self._real = layers.PagedAttention.forward
+        self._real = layers.CpuNativeBackend.attend
 
     def __enter__(self) -> "AttentionClock":
         real, clock = self._real, self
@@ -49,11 +50,11 @@ class AttentionClock:
             finally:
                 clock.seconds += time.perf_counter() - t
 
-        layers.PagedAttention.forward = timed
+        layers.CpuNativeBackend.attend = timed
         return self
 
     def __exit__(self, *exc) -> None:
-        layers.PagedAttention.forward = self._real
+        layers.CpuNativeBackend.attend = self._real
 
 
 def prefill_once(loaded, n: int, chunk: int) -> tuple[float, float]:
@@ -61,11 +62,12 @@ def prefill_once(loaded, n: int, chunk: int) -> tuple[float, float]:
     a = loaded.arch
     pages = list(range(1, 1 + -(-n // PAGE)))
     kv = KVPool(KVLayout("bench", loaded.dtype, PAGE, a.num_layers, a.num_kv_heads, a.head_dim), len(pages) + 1)
+    attn = make_attention_backend("cpu_native", kv, a.num_heads)
     ids = [100 + (i * 7919) % (a.vocab_size - 200) for i in range(n)]   # fixed, not repetitive
     with AttentionClock() as clock, torch.inference_mode():
         t = time.perf_counter()
         for start in range(0, n, chunk):
-            loaded.model(build_forward_batch([SeqChunk(ids[start:start + chunk], start, pages)], PAGE), kv)
+            loaded.model(build_forward_batch([SeqChunk(ids[start:start + chunk], start, pages)], PAGE), attn)
         return time.perf_counter() - t, clock.seconds
 
 

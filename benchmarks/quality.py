@@ -38,6 +38,7 @@ import torch
 
 from kvrelay.core.config import DEFAULT_MODEL, KVCacheConfig, ModelOptions, SchedulerConfig
 from kvrelay.core.kvlayout import KVLayout
+from kvrelay.engine.attention import make_attention_backend
 from kvrelay.engine.core import EngineCore
 from kvrelay.engine.kv_pool import KVPool
 from kvrelay.engine.loader import ModelLoadError, load_model
@@ -166,7 +167,7 @@ def window_logits(loaded, kv: KVPool, ids: list[int]) -> torch.Tensor:
     page = kv.layout.page_size
     batch = build_forward_batch([SeqChunk(ids, 0, list(range(1, 1 + -(-len(ids) // page))))], page)
     batch = dataclasses.replace(batch, logits_index=torch.arange(len(ids)))
-    return loaded.model(batch, kv)
+    return loaded.model(batch, make_attention_backend(loaded.attention_backend, kv, loaded.arch.num_heads))
 
 
 def score_text(loaded, ids: list[int], window: int) -> tuple[float, torch.Tensor]:

@@ -110,11 +110,11 @@ def _shown(value) -> str:
 
 
 def field_choices(f: dataclasses.Field) -> tuple | None:
-    """A config field's choices: listed in its metadata, or the names of the plug-in
+    """A config field's choices: listed in its metadata, then the names of the plug-in
     registry it names ("module:attr"; lightweight: its entries import lazily)."""
     if "registry" in f.metadata:
         module, _, attr = f.metadata["registry"].partition(":")
-        return tuple(getattr(importlib.import_module(module), attr).names())
+        return (*f.metadata.get("choices", ()), *getattr(importlib.import_module(module), attr).names())
     return f.metadata.get("choices")
 
 

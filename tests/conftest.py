@@ -37,7 +37,13 @@ def _alone(path) -> bool:
     return os.path.basename(str(path).split("::", 1)[0]) in ALONE
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
+    # gpu-marked tests need a CUDA device: deselected (not skipped) unless `-m` names gpu.
+    if "gpu" not in (config.getoption("markexpr") or ""):
+        gpu = [item for item in items if item.get_closest_marker("gpu")]
+        if gpu:
+            config.hook.pytest_deselected(items=gpu)
+            items[:] = [item for item in items if not item.get_closest_marker("gpu")]
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return   # one process: file order
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}

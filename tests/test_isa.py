@@ -3,13 +3,15 @@ kernel's own report, every variant this CPU runs can be forced, a variant it lac
 refused by name (never loaded, never skipped), and --dtype auto follows the variant."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvrelay.core.config import ModelOptions
-from kvrelay.engine import kernels
+from kvrelay.engine import attention, kernels
 from kvrelay.engine.kernels import variants as isa_mod
 from kvrelay.engine.loader import load_model
 from kvrelay.engine.models.base import ModelLoadError
@@ -110,9 +112,11 @@ def test_dtype_auto_is_bfloat16_only_where_the_cpu_computes_it(tiny_llama_dir, v
         return
     loaded = _tiny(tiny_llama_dir, kernels=variant)
     native_bf16 = variant == "avx512_bf16"
-    assert loaded.compute_info() == {"device": "cpu", "kernels": variant,
-                                     "dtype": "bfloat16" if native_bf16 else "float32",
-                                     "weights": "same" if native_bf16 else "bf16"}
+    dtype = "bfloat16" if native_bf16 else "float32"
+    assert loaded.compute_info() == {"device": "cpu", "kernels": variant, "dtype": dtype, "weights": "same" if native_bf16 else "bf16",
+                                     "attention": attention.resolve("auto", "cpu", getattr(torch, dtype))}
+    if not os.environ.get(attention.ENV):   # --kernels torch runs no native attention either
+        assert loaded.attention_backend == ("torch_ref" if variant == "torch" else "cpu_native")
     assert f"kernels {variant}" in startup_line("colocated", loaded, 64, "http://x")
     explicit = _tiny(tiny_llama_dir, kernels=variant, dtype="float32")
     assert explicit.compute_info()["weights"] == "same"

@@ -93,7 +93,8 @@ def test_fused_add_rms_norm_and_silu_mul_match_torch(dtype, tol):
 
 
 def test_native_rope_matches_the_torch_ops():
-    from kvrelay.engine.models.layers import RotaryEmbedding, apply_rope
+    from kvrelay.engine.attention.base import apply_rope
+    from kvrelay.engine.models.layers import RotaryEmbedding
     ew = kernels.elementwise()
     gen = torch.Generator().manual_seed(2)
     rope = RotaryEmbedding(64, 512, 10000.0, None)

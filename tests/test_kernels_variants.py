@@ -13,6 +13,7 @@ from kvrelay.core.config import ModelOptions
 from kvrelay.core.kvlayout import KVLayout
 from kvrelay.engine import kernels
 from kvrelay.engine.allocator import PageAllocator
+from kvrelay.engine.attention import make_attention_backend
 from kvrelay.engine.kernels.variants import VARIANT_FLAGS
 from kvrelay.engine.kernels.wide import wide_gemm
 from kvrelay.engine.kv_pool import KVPool
@@ -133,7 +134,8 @@ def test_wide_gemm(variant, stored, M, N, K, bias):
 def test_elementwise_float32(variant):
     if variant is None:
         return
-    from kvrelay.engine.models.layers import RotaryEmbedding, apply_rope
+    from kvrelay.engine.attention.base import apply_rope
+    from kvrelay.engine.models.layers import RotaryEmbedding
     ew = kernels.elementwise()
     gen = torch.Generator().manual_seed(13)
     h, delta, w = torch.randn(7, 100, generator=gen), torch.randn(7, 100, generator=gen), torch.randn(100, generator=gen)
@@ -171,17 +173,18 @@ def run_logits(loaded, prompts: list[list[int]], steps: int = 2, S: int = 4) -> 
     """Logits of a prefill of `prompts`, then of `steps` greedy decode steps."""
     a = loaded.arch
     kv = KVPool(KVLayout("t", loaded.dtype, S, a.num_layers, a.num_kv_heads, a.head_dim), 64)
+    attn = make_attention_backend("auto", kv, a.num_heads)
     alloc = PageAllocator(64)
     for b, p in enumerate(prompts):
         assert alloc.allocate(-(-(len(p) + steps) // S), b) is not None
     seqs = [list(p) for p in prompts]
-    out = [loaded.model(build_forward_batch([SeqChunk(s, 0, alloc.pages_of(b)) for b, s in enumerate(seqs)], S), kv)]
+    out = [loaded.model(build_forward_batch([SeqChunk(s, 0, alloc.pages_of(b)) for b, s in enumerate(seqs)], S), attn)]
     for _ in range(steps):
         nxt = out[-1].argmax(-1).tolist()
         chunks = [SeqChunk([t], len(s), alloc.pages_of(b)) for b, (s, t) in enumerate(zip(seqs, nxt))]
         for s, t in zip(seqs, nxt):
             s.append(t)
-        out.append(loaded.model(build_forward_batch(chunks, S), kv))
+        out.append(loaded.model(build_forward_batch(chunks, S), attn))
     return out
 
 

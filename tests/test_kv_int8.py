@@ -21,6 +21,7 @@ from kvrelay.disagg.decode_worker import DecodeCore
 from kvrelay.disagg.prefill_worker import PrefillCore
 from kvrelay.engine import kernels
 from kvrelay.engine.allocator import PageAllocator
+from kvrelay.engine.attention import make_attention_backend
 from kvrelay.engine.core import num_pages_for
 from kvrelay.engine.engine import AsyncEngine, build_engine
 from kvrelay.engine.kernels.kvq import paged_decode_q8
@@ -171,11 +172,12 @@ def _teacher_forced_logits(loaded, kv_dtype: str, prompt: list[int], steps: list
     layout = KVLayout("t", loaded.dtype, 4, a.num_layers, a.num_kv_heads, a.head_dim,
                       kv_dtype="" if kv_dtype == "auto" else kv_dtype)
     kv, alloc = kv_pool_for(layout, 32), PageAllocator(32)
+    attn = make_attention_backend("auto", kv, a.num_heads)
     alloc.allocate(-(-(len(prompt) + len(steps)) // 4), "seq")
     pages, seq, out = alloc.pages_of("seq"), [], []
     half = len(prompt) // 2
     for chunk in (prompt[:half], prompt[half:], *([t] for t in steps)):
-        out.append(loaded.model(build_forward_batch([SeqChunk(chunk, len(seq), pages)], 4), kv)[0])
+        out.append(loaded.model(build_forward_batch([SeqChunk(chunk, len(seq), pages)], 4), attn)[0])
         seq += chunk
     return out[1:]
 

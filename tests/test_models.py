@@ -13,6 +13,7 @@ import torch
 from kvrelay.core.config import ModelOptions
 from kvrelay.core.kvlayout import KVLayout
 from kvrelay.engine.allocator import PageAllocator
+from kvrelay.engine.attention import make_attention_backend
 from kvrelay.engine.kv_pool import KVPool
 from kvrelay.engine.loader import default_gguf_path, load_model
 from kvrelay.engine.models.testing import make_tiny_model_dir
@@ -27,11 +28,12 @@ class PagedSession:
     """Sequences over a small paged pool. Pages are handed out one per sequence in turn,
     so every sequence's pages are scattered, not contiguous."""
 
-    def __init__(self, loaded, page_size: int = 4, num_pages: int = 64) -> None:
+    def __init__(self, loaded, page_size: int = 4, num_pages: int = 64, attention: str = "auto") -> None:
         a = loaded.arch
         self.model, self.page_size = loaded.model, page_size
         self.kv = KVPool(KVLayout("t", loaded.dtype, page_size, a.num_layers, a.num_kv_heads, a.head_dim),
                          num_pages)
+        self.attn = make_attention_backend(attention, self.kv, a.num_heads)
         self.alloc = PageAllocator(num_pages)
         self.seqs: list[list[int]] = []
 
@@ -46,7 +48,7 @@ class PagedSession:
     def run(self, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
         """Each (seq, tokens) appends tokens to seq in one forward pass; logits [B, vocab]."""
         batch = [SeqChunk(toks, len(self.seqs[b]) - len(toks), self.alloc.pages_of(b)) for b, toks in chunks]
-        return self.model(build_forward_batch(batch, self.page_size), self.kv)
+        return self.model(build_forward_batch(batch, self.page_size), self.attn)
 
     def prefill(self, prompts, reserve: int) -> torch.Tensor:
         self.add(prompts, reserve)
@@ -79,8 +81,9 @@ def reference_last_logits(hf, seqs: list[list[int]]) -> torch.Tensor:
     return torch.stack([hf(torch.tensor([s])).logits[0, -1].float() for s in seqs])
 
 
-def check_prefill_and_decode(loaded, hf, prompts, steps: int = 3, page_size: int = 4) -> None:
-    sess = PagedSession(loaded, page_size)
+def check_prefill_and_decode(loaded, hf, prompts, steps: int = 3, page_size: int = 4,
+                             attention: str = "auto") -> None:
+    sess = PagedSession(loaded, page_size, attention=attention)
     try:
         ours = sess.prefill(prompts, reserve=steps)
         ref = reference_last_logits(hf, sess.seqs)
@@ -92,6 +95,12 @@ def check_prefill_and_decode(loaded, hf, prompts, steps: int = 3, page_size: int
             assert (ours - ref).abs().max().item() < TOL
     finally:
         sess.close()
+
+
+# The parity tests run on the native kernels and on the reference every backend is tested against.
+@pytest.fixture(params=["cpu_native", "torch_ref"])
+def backend(request) -> str:
+    return request.param
 
 
 def random_prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
@@ -123,18 +132,18 @@ def tiny_pair(request, tmp_path_factory):
     return loaded, hf
 
 
-def test_tiny_prefill_batch_and_decode_match_transformers(tiny_pair):
+def test_tiny_prefill_batch_and_decode_match_transformers(tiny_pair, backend):
     loaded, hf = tiny_pair
     prompts = random_prompts(loaded.arch.vocab_size, [5, 17, 1, 9, 70])
-    check_prefill_and_decode(loaded, hf, prompts, steps=3)
+    check_prefill_and_decode(loaded, hf, prompts, steps=3, attention=backend)
 
 
-def test_greedy_32_tokens_are_transformers_tokens(tiny_pair):
+def test_greedy_32_tokens_are_transformers_tokens(tiny_pair, backend):
     """Each sequence decoded greedily on its own over 32 tokens (a batch of two over the
     paged pool) gives the tokens transformers' own greedy loop gives."""
     loaded, hf = tiny_pair
     prompts = random_prompts(loaded.arch.vocab_size, [7, 21], seed=7)
-    sess = PagedSession(loaded, page_size=4)
+    sess = PagedSession(loaded, page_size=4, attention=backend)
     try:
         ours = [[t] for t in sess.prefill(prompts, reserve=32).argmax(-1).tolist()]
         for _ in range(31):
@@ -156,12 +165,12 @@ def test_tiny_logits_are_not_trivially_small(tiny_pair):
     assert ref.std().item() > 0.1
 
 
-def test_chunked_prefill_and_mixed_batch(tiny_pair):
+def test_chunked_prefill_and_mixed_batch(tiny_pair, backend):
     """A prompt prefilled in two chunks (the second reads the first's KV from the pool) in
     the same pass as another sequence's decode step."""
     loaded, hf = tiny_pair
     a, b = random_prompts(loaded.arch.vocab_size, [23, 6], seed=3)
-    sess = PagedSession(loaded, page_size=8)
+    sess = PagedSession(loaded, page_size=8, attention=backend)
     try:
         sess.add([a[:10], b], reserve=20)
         sess.run([(0, a[:10]), (1, b)])
@@ -176,15 +185,16 @@ def test_chunked_prefill_and_mixed_batch(tiny_pair):
 
 def test_one_chunk_after_its_prefix_matches_transformers(tiny_pair, monkeypatch):
     """A prompt prefilled one sequence at a time in three chunks: each later chunk runs as
-    two flash passes (the prefix, then its own keys causally) merged by log-sum-exp."""
-    from kvrelay.engine.models.layers import PagedAttention
+    two flash passes (the prefix, then its own keys causally) merged by log-sum-exp (cpu_native,
+    for a head_dim its prefill kernel does not take)."""
+    from kvrelay.engine.attention.cpu_native import CpuNativeBackend
 
     calls = []
-    real = PagedAttention._prefix_then_chunk
-    monkeypatch.setattr(PagedAttention, "_prefix_then_chunk", lambda *a: calls.append(a[-1]) or real(*a))
+    real = CpuNativeBackend._prefix_then_chunk
+    monkeypatch.setattr(CpuNativeBackend, "_prefix_then_chunk", lambda *a: calls.append(a[-1]) or real(*a))
     loaded, hf = tiny_pair
     (a,) = random_prompts(loaded.arch.vocab_size, [23], seed=5)
-    sess = PagedSession(loaded, page_size=4)
+    sess = PagedSession(loaded, page_size=4, attention="cpu_native")
     try:
         sess.add([a], reserve=0)
         for start, end in ((0, 10), (10, 17), (17, 23)):
@@ -199,14 +209,15 @@ def test_one_chunk_after_its_prefix_matches_transformers(tiny_pair, monkeypatch)
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_prefix_then_chunk_equals_one_masked_pass(dtype, tol):
-    from kvrelay.engine.models.layers import PagedAttention
+    from kvrelay.engine.attention.cpu_native import CpuNativeBackend
 
     gen = torch.Generator().manual_seed(6)
     Hq, Hkv, D, n, m = 6, 2, 64, 70, 29
     q = torch.randn(m, Hq, D, generator=gen).to(dtype)
     keys = torch.randn(Hkv, n + 5, D, generator=gen).to(dtype)   # padded past n, as gathered pages are
     values = torch.randn(Hkv, n + 5, D, generator=gen).to(dtype)
-    got = PagedAttention(Hq, Hkv, D, 0)._prefix_then_chunk(q, keys, values, n)
+    kv = KVPool(KVLayout("t", str(dtype).removeprefix("torch."), 4, 1, Hkv, D), 1)
+    got = CpuNativeBackend(kv, Hq)._prefix_then_chunk(q, keys, values, n)
     mask = torch.arange(n)[None, :] <= (n - m + torch.arange(m))[:, None]
     want = torch.nn.functional.scaled_dot_product_attention(
         q.float().transpose(0, 1), keys[:, :n].float(), values[:, :n].float(), attn_mask=mask, enable_gqa=True)
@@ -225,7 +236,7 @@ def test_after_layer_runs_once_per_layer_and_changes_no_logit(tiny_pair):
         called.add(prompts, reserve=0)
         batch = [SeqChunk(p, 0, called.alloc.pages_of(b)) for b, p in enumerate(called.seqs)]
         calls = []
-        got = loaded.model(build_forward_batch(batch, called.page_size), called.kv, lambda: calls.append(1))
+        got = loaded.model(build_forward_batch(batch, called.page_size), called.attn, lambda: calls.append(1))
         assert len(calls) == loaded.arch.num_layers
         assert torch.equal(got, want)
     finally:
@@ -233,19 +244,24 @@ def test_after_layer_runs_once_per_layer_and_changes_no_logit(tiny_pair):
         called.close()
 
 
-def test_fully_masked_padding_rows_do_not_leak_nan(tiny_pair):
+def test_fully_masked_padding_rows_do_not_leak_nan(tiny_pair, backend, monkeypatch):
+    """Padded query rows that attend to nothing (the dense mask's guard stripped) change no
+    real row: their output is never gathered."""
+    from kvrelay.engine.attention import base, cpu_native, torch_ref
+
     loaded, _ = tiny_pair
     prompts = random_prompts(loaded.arch.vocab_size, [3, 12])
-    sess = PagedSession(loaded)
+    sess = PagedSession(loaded, attention=backend)
     try:
         sess.add(prompts, reserve=0)
         chunks = [SeqChunk(p, 0, sess.alloc.pages_of(b)) for b, p in enumerate(prompts)]
         batch = build_forward_batch(chunks, sess.page_size)
-        expected = loaded.model(batch, sess.kv)
-        # Strip the builder's own guard: padded query rows now attend to nothing.
-        mask = batch.mask() & batch.q_valid[:, None, :, None]
+        expected = loaded.model(batch, sess.attn)
+        unguarded = lambda b: base.dense_mask(b) & b.q_valid[:, None, :, None]   # noqa: E731
+        monkeypatch.setattr(cpu_native, "dense_mask", unguarded)
+        monkeypatch.setattr(torch_ref, "dense_mask", unguarded)
         for no_prefix in (True, False):
-            out = loaded.model(dataclasses.replace(batch, attn_mask=mask, no_prefix=no_prefix), sess.kv)
+            out = loaded.model(dataclasses.replace(batch, no_prefix=no_prefix), sess.attn)
             assert torch.isfinite(out).all()
             assert (out - expected).abs().max().item() < 1e-4
     finally:
@@ -273,8 +289,8 @@ def test_bfloat16_prefill_attention_takes_the_path_chosen_for_this_cpu(amx, tmp_
     would multiply its query-key pairs by more than TILE_PAD_LIMIT; without AMX, and in
     float32, through the native kernel. Both are forced, whatever this CPU has, and both
     follow float32: a whole prompt, a chunk over the cached prefix, prompts beside a decode."""
+    from kvrelay.engine.attention import cpu_native as layers
     from kvrelay.engine.kernels import paged_prefill
-    from kvrelay.engine.models import layers
 
     real = paged_prefill()
     assert not layers.prefill_on_tiles(build_forward_batch([SeqChunk([1, 2], 0, [1])], 4), torch.float32)
@@ -300,7 +316,7 @@ def test_bfloat16_prefill_attention_takes_the_path_chosen_for_this_cpu(amx, tmp_
     logits, native = {}, {}
     for dtype in ("float32", "bfloat16"):
         loaded = load_model(ModelOptions(model=str(d), dtype=dtype))
-        sess = PagedSession(loaded)
+        sess = PagedSession(loaded, attention="cpu_native")
         native[dtype] = []
         try:
             sess.add(list(full), reserve=0)
@@ -355,13 +371,13 @@ def hf_reference_from_gguf():
     return hf.eval()
 
 
-def test_default_model_prefill_batch_and_decode_match_transformers(default_pair):
+def test_default_model_prefill_batch_and_decode_match_transformers(default_pair, backend):
     loaded, hf = default_pair
     texts = ["The capital of France is", "Hello",
              "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
              "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"]
     prompts = [loaded.tokenizer.encode(t) for t in texts]
-    check_prefill_and_decode(loaded, hf, prompts, steps=3, page_size=16)
+    check_prefill_and_decode(loaded, hf, prompts, steps=3, page_size=16, attention=backend)
 
 
 def test_default_model_says_paris(default_pair):

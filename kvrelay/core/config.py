@@ -34,6 +34,12 @@ class ModelOptions:
     kernels: str = _f("auto", "native kernel variant: auto picks the best this CPU runs (cpuid) unless "
                       "KVRELAY_ISA names one; a variant the CPU lacks is refused; torch runs no native kernels",
                       choices=("auto", "avx512_bf16", "avx512_vnni", "avx2", "torch"))
+    # Its choices are auto and the names in the registry.
+    attention_backend: str = _f("auto", "attention over the KV cache: cpu_native (the native CPU kernels), "
+                                "torch_ref (plain torch on any device, the reference), cuda (Triton kernels on a "
+                                "CUDA device); auto: cpu_native on a CPU where the native kernels run, cuda on a "
+                                "CUDA device, else torch_ref (KVRELAY_ATTENTION_BACKEND replaces auto)",
+                                choices=("auto",), registry="kvrelay.engine.attention:ATTENTION_BACKENDS")
     quantization: str = _f("none", "weights kept quantized: int8 (per output channel) or int4 (per group) "
                            "quantized at load, or gguf (the file's own Q8_0/Q4_0/Q4_1 blocks)",
                            choices=("none", "int8", "int4", "gguf"))

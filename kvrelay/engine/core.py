@@ -74,7 +74,8 @@ class EngineCore:
         self.kv = kv_pool_for(self.layout, num_pages_for(kv_cfg, self.layout), kv_buffer, loaded.device)
         self.allocator = PageAllocator(self.kv.num_pages)
         self.scheduler = Scheduler(sched_cfg, self.allocator, kv_cfg.page_size, self.clock)
-        self.runner = (loaded.make_runner or ModelRunner)(loaded.model, self.kv)
+        self.runner = (loaded.make_runner(loaded.model, self.kv) if loaded.make_runner is not None
+                       else ModelRunner(loaded.model, self.kv, loaded.attention_backend))
         self.sampler = Sampler()
         self.max_model_len = min(sched_cfg.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.eos_ids = frozenset(loaded.eos_token_ids)

@@ -23,7 +23,7 @@ KV8_MAX = {"int8": 127.0, "fp8_e4m3": 448.0}   # the largest magnitude each form
 
 
 def kv_pool_for(layout: KVLayout, num_pages: int, buffer: memoryview | None = None,
-                device: str = "cpu") -> "KVPool":
+                device: torch.device | str = "cpu") -> "KVPool":
     return (QuantizedKVPool if layout.quantized else KVPool)(layout, num_pages, buffer, device)
 
 
@@ -45,13 +45,13 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 
 class KVPool:
     def __init__(self, layout: KVLayout, num_pages: int, buffer: memoryview | None = None,
-                 device: str = "cpu") -> None:
+                 device: torch.device | str = "cpu") -> None:
         """`buffer`: host memory to hold the pool (a transfer backend's placement), on the CPU
         only; otherwise the pool is allocated here, on `device`."""
         self.layout = layout
         self.num_pages = num_pages
         nbytes = num_pages * layout.page_bytes
-        if buffer is not None and device != "cpu":
+        if buffer is not None and torch.device(device).type != "cpu":
             raise ValueError(f"a KV pool on {device} cannot live in a host buffer")
         if buffer is None:
             flat = torch.zeros(nbytes, dtype=torch.uint8, device=device)
@@ -60,6 +60,7 @@ class KVPool:
                 raise ValueError(f"KV buffer holds {len(buffer)} bytes, need {nbytes}")
             flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
         self._bytes = flat
+        self.device = flat.device
         self._views(flat)
 
     def _views(self, flat: torch.Tensor) -> None:

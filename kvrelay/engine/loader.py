@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 import torch
 
 from kvrelay.core.config import DEFAULT_MODEL, ModelOptions
-from kvrelay.engine import kernels
+from kvrelay.engine import attention, kernels
 from kvrelay.engine.gguf_file import GGUFFile, GGUFFormatError
 from kvrelay.engine.kv_pool import TORCH_DTYPES
 from kvrelay.engine.models import MODELS, model_types  # importing the package registers every architecture
@@ -57,10 +57,12 @@ class LoadedModel:
     weights: str = "same"           # WeightFormat.store (", lm_head <store>" where the head differs)
     kernels: str = "torch"          # the native kernel variant the model was packed for
     device: str = "cpu"             # where the weights live; the KV pool and the sampler follow
+    attention_backend: str = "auto"  # --attention-backend, resolved (engine.attention)
 
     def compute_info(self) -> dict[str, str]:
         """What computes: reported at start-up and by /health."""
-        return {"device": self.device, "kernels": self.kernels, "dtype": self.dtype, "weights": self.weights}
+        return {"device": self.device, "kernels": self.kernels, "dtype": self.dtype, "weights": self.weights,
+                "attention": self.attention_backend}
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:
@@ -117,6 +119,10 @@ def load_model(opts: ModelOptions, progress: Progress | None = None) -> LoadedMo
         raise ModelLoadError(f"unsupported lm-head quantization {opts.lm_head_quantization!r}; "
                              "choose auto, none, int8 or int4")
     dtype = resolve_dtype(opts.dtype, device)
+    try:   # before the weights: a backend that cannot run here is a start-up error
+        attention_backend = attention.resolve(opts.attention_backend, device, TORCH_DTYPES[dtype])
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
     fmt = weight_format(opts, dtype)
     opts = replace(opts, dtype=dtype)
     spec = opts.model
@@ -138,6 +144,7 @@ def load_model(opts: ModelOptions, progress: Progress | None = None) -> LoadedMo
     loaded.weights = fmt.store if head == fmt.store else f"{fmt.store}, lm_head {head}"
     loaded.kernels = kernels.isa()
     loaded.device = device
+    loaded.attention_backend = attention_backend
     return loaded
 
 

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from kvrelay.engine.attention import make_attention_backend
 from kvrelay.engine.forward import ForwardBatch
 from kvrelay.engine.kv_pool import KVPool
 
@@ -89,15 +90,19 @@ class Runner(ABC):
 class ModelRunner(Runner):
     CALLS_BETWEEN_LAYERS = True
 
-    def __init__(self, model: torch.nn.Module, kv: KVPool) -> None:
+    def __init__(self, model: torch.nn.Module, kv: KVPool, attention: str = "auto") -> None:
         self.model = model
         self.kv = kv
         self.page_size = kv.layout.page_size
+        self.attention = make_attention_backend(attention, kv, model.arch.num_heads)
 
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk], after_layer: Callable[[], None] | None = None) -> torch.Tensor:
         """float32 logits [B, vocab] of the last token of each chunk."""
-        return self.model(build_forward_batch(chunks, self.page_size), self.kv, after_layer)
+        batch = build_forward_batch(chunks, self.page_size)
+        if self.kv.device.type != "cpu":   # the index tensors go where the model and the pool are
+            batch = batch.to(self.kv.device)
+        return self.model(batch, self.attention, after_layer)
 
     def prefill(self, chunks: list[SeqChunk]) -> torch.Tensor:
         return self.forward(chunks, self.between_layers)

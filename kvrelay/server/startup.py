@@ -172,7 +172,7 @@ def startup_line(role: str, loaded, kv_tokens: int, url: str) -> str:
     info = loaded.compute_info()
     where = "" if info["device"] == "cpu" else f"on {info['device']}, "
     return (f"kvrelay {role}: model {loaded.name} ({where}{info['dtype']}, kernels {info['kernels']}, weights "
-            f"{info['weights']}), KV capacity {kv_tokens} tokens, serving on {url}")
+            f"{info['weights']}, attention {info['attention']}), KV capacity {kv_tokens} tokens, serving on {url}")
 
 
 def stop_on_sigterm() -> None:

@@ -39,10 +39,10 @@ class CausalLM(nn.Module):
     """Contract for every architecture:
 
     - `__init__(arch: ArchConfig)` builds the module with uninitialised weights.
-    - `forward(batch, kv, after_layer=None)` computes the new tokens of `batch`; for every layer it first
-      writes their K and V into the pool (`kv.write(layer, ...)` at `batch.write_pages`,
-      `batch.write_offsets`), then attends over the pages of `batch.page_table`
-      (`kv.gather(layer, ...)`) under `batch.mask()`.
+    - `forward(batch, attention, after_layer=None)` computes the new tokens of `batch`: it
+      calls `attention.begin(batch, rope_table)` once, then each layer hands its qkv to the
+      metadata that returns (`meta(qkv, layer)`), which applies RoPE, stores this pass's K
+      and V in the pool and attends (`engine.attention.base`); models never address the pool.
       It returns float32 logits [B, vocab] for the rows in `batch.logits_index`.
       `after_layer`, when given, is called with no argument once after each layer, on the
       calling thread; what it does must not touch the pool pages of `batch` or the model

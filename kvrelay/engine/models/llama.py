@@ -11,9 +11,10 @@ from typing import Callable
 import torch
 from torch import nn
 
+from kvrelay.engine.attention.base import AttentionBackend, AttentionMetadata
 from kvrelay.engine.forward import ForwardBatch
 from kvrelay.engine.models.base import MODELS, ArchConfig, CausalLM, ModelLoadError
-from kvrelay.engine.models.layers import AttnMeta, PagedAttention, RMSNorm, RotaryEmbedding, SwiGLU, rope_and_store
+from kvrelay.engine.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from kvrelay.engine.models.linear import (QUANTIZED, Linear, PackedWeight, WeightFormat, lm_head_logits,
                                           pack_weight)
 from kvrelay.engine.models.quant_linear import QuantWeight, quant_forward, quantize
@@ -28,13 +29,12 @@ class LlamaAttention(nn.Module):
         self.hq, self.hkv, self.d = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.qkv_proj = Linear(arch.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=qkv_bias)
         self.o_proj = Linear(self.hq * self.d, arch.hidden_size, bias=o_bias)
-        self.attn = PagedAttention(self.hq, self.hkv, self.d, layer)
+        self.layer = layer
 
-    def forward(self, x: torch.Tensor, meta: AttnMeta, kv) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x).view(-1, self.hq + 2 * self.hkv, self.d)
         self.before_rope(qkv)
-        q, k, v = rope_and_store(qkv, self.hq, self.hkv, meta, kv, self.attn.layer)
-        return self.o_proj(self.attn(q, k, v, meta, kv))
+        return self.o_proj(attn(qkv, self.layer))
 
     def before_rope(self, qkv: torch.Tensor) -> None:
         """What an architecture does to q, k, v [T, heads, D] in place before RoPE (Qwen3's
@@ -50,12 +50,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = SwiGLU(arch.hidden_size, arch.intermediate_size)
 
-    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, meta: AttnMeta, kv):
+    def forward(self, h: torch.Tensor, delta: torch.Tensor | None, attn: AttentionMetadata):
         """Residual stream `h` plus the previous layer's pending output `delta` ->
         (new stream, this layer's pending MLP output). Each add is fused into the norm
         that follows it; `h` is updated in place."""
         x, h = self.input_layernorm.add_and_norm(h, delta)
-        x, h = self.post_attention_layernorm.add_and_norm(h, self.self_attn(x, meta, kv))
+        x, h = self.post_attention_layernorm.add_and_norm(h, self.self_attn(x, attn))
         return h, self.mlp(x)
 
 
@@ -95,12 +95,13 @@ class LlamaForCausalLM(CausalLM):
                                       arch.rope_scaling)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv, after_layer: Callable[[], None] | None = None) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, attention: AttentionBackend,
+                after_layer: Callable[[], None] | None = None) -> torch.Tensor:
         h = self.model.embed_tokens(batch.input_ids)
-        meta = AttnMeta.build(batch, self.rotary, h.dtype, kv, self.arch.num_heads // self.arch.num_kv_heads)
+        attn = attention.begin(batch, self.rotary.table(h.device))
         delta = None
         for layer in self.model.layers:
-            h, delta = layer(h, delta, meta, kv)
+            h, delta = layer(h, delta, attn)
             if after_layer is not None:
                 after_layer()
         rows = batch.logits_index
