@@ -114,10 +114,6 @@ class KVPool:
         return (self._rows.index_select(0, k_rows).view(shape),
                 self._rows.index_select(0, k_rows + H).view(shape))
 
-    @property
-    def device(self) -> torch.device:
-        return self._bytes.device
-
     def buffer(self) -> memoryview:
         """The whole pool as one writable byte buffer (num_pages * page_bytes); CPU only."""
         return memoryview(self._bytes.numpy()).cast("B")
