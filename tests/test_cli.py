@@ -41,10 +41,11 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
 
 from kvrelay.cli import build_parser, config_from_args
 from kvrelay.core.config import KVRelayConfig, LifecycleConfig, ModelOptions, SchedulerConfig, TransferConfig
-from kvrelay.engine import kernels
+from kvrelay.engine import attention, kernels
 from kvrelay.engine.core_share import host_cores
 from serving_helpers import assert_no_leak, free_port, free_port_run, gauge, metric_samples
 
@@ -389,7 +390,8 @@ def test_serve_starts_its_workers_serves_and_a_signal_stops_every_child(serve, s
     assert "Traceback" not in err, err
     for role in ("prefill", "decode"):
         line = re.search(rf"\[{role}-0\] kvrelay {role}: model {model} \((.*?)\), KV capacity 4096 tokens", err)
-        assert line is not None and line[1] == f"float32, kernels {kernels.isa()}, weights same", err
+        assert line is not None and line[1] == (f"float32, kernels {kernels.isa()}, weights same, attention "
+                                                f"{attention.resolve('auto', 'cpu', torch.float32)}"), err
     assert "outcome=success reason=length" in err
     # progress while it starts, in order: the workers and their ports, each worker ready
     progress = [ln.split(" INFO kvrelay.serve ", 1)[1] for ln in err.splitlines() if " INFO kvrelay.serve " in ln]

@@ -68,7 +68,7 @@ class CudaBackend(AttentionBackend):
                meta: CudaMetadata) -> torch.Tensor:
         pool = self.kv.data
         sp, sl, skv, sh, ss, _ = pool.stride()
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)   # contiguous: q is a view of qkv
         B, common = meta.batch.batch_size, dict(GROUP=self.group, PAGE=self.kv.layout.page_size, D=self.head_dim,
                                                 BLOCK_D=self.block_d, BLOCK_N=BLOCK_N)
         strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.page_table.stride(0),
