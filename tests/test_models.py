@@ -32,7 +32,7 @@ class PagedSession:
         a = loaded.arch
         self.model, self.page_size = loaded.model, page_size
         self.kv = KVPool(KVLayout("t", loaded.dtype, page_size, a.num_layers, a.num_kv_heads, a.head_dim),
-                         num_pages)
+                         num_pages, device=loaded.device)
         self.attn = make_attention_backend(attention, self.kv, a.num_heads)
         self.alloc = PageAllocator(num_pages)
         self.seqs: list[list[int]] = []
@@ -48,7 +48,7 @@ class PagedSession:
     def run(self, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
         """Each (seq, tokens) appends tokens to seq in one forward pass; logits [B, vocab]."""
         batch = [SeqChunk(toks, len(self.seqs[b]) - len(toks), self.alloc.pages_of(b)) for b, toks in chunks]
-        return self.model(build_forward_batch(batch, self.page_size), self.attn)
+        return self.model(build_forward_batch(batch, self.page_size).to(self.kv.device), self.attn)
 
     def prefill(self, prompts, reserve: int) -> torch.Tensor:
         self.add(prompts, reserve)
@@ -78,7 +78,7 @@ def greedy_next_word(loaded, text: str) -> str:
 
 @torch.no_grad()
 def reference_last_logits(hf, seqs: list[list[int]]) -> torch.Tensor:
-    return torch.stack([hf(torch.tensor([s])).logits[0, -1].float() for s in seqs])
+    return torch.stack([hf(torch.tensor([s], device=hf.device)).logits[0, -1].float() for s in seqs])
 
 
 def check_prefill_and_decode(loaded, hf, prompts, steps: int = 3, page_size: int = 4,
@@ -155,6 +155,34 @@ def test_greedy_32_tokens_are_transformers_tokens(tiny_pair, backend):
     for _ in range(32):
         for seq, t in zip(seqs, reference_last_logits(hf, seqs).argmax(-1).tolist()):
             seq.append(t)
+    assert ours == [seq[len(p):] for seq, p in zip(seqs, prompts)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_cuda_bf16_greedy_32_tokens_are_transformers_tokens(arch, tmp_path):
+    """On a GPU in bfloat16 (the cuda attention backend): 5 prompts decoded greedily as one
+    paged batch over 32 tokens give the tokens of transformers' greedy loop on the same GPU."""
+    from transformers import AutoModelForCausalLM
+
+    d = make_tiny_model_dir(tmp_path, seed=1, arch=arch)
+    loaded = load_model(ModelOptions(model=str(d), dtype="bfloat16", device="cuda"))
+    assert loaded.attention_backend == "cuda" and loaded.device.startswith("cuda")
+    hf = AutoModelForCausalLM.from_pretrained(str(d), local_files_only=True, dtype=torch.bfloat16).to("cuda").eval()
+    prompts = random_prompts(loaded.arch.vocab_size, [7, 21, 3, 40, 12], seed=11)
+    sess = PagedSession(loaded, page_size=16, num_pages=64)
+    try:
+        ours = [[t] for t in sess.prefill(prompts, reserve=32).argmax(-1).tolist()]
+        for _ in range(31):
+            for seq, t in zip(ours, sess.decode([seq[-1] for seq in ours]).argmax(-1).tolist()):
+                seq.append(t)
+    finally:
+        sess.close()
+    seqs = [list(p) for p in prompts]
+    with torch.inference_mode():
+        for _ in range(32):
+            for seq, t in zip(seqs, reference_last_logits(hf, seqs).argmax(-1).tolist()):
+                seq.append(t)
     assert ours == [seq[len(p):] for seq, p in zip(seqs, prompts)]
 
 
