@@ -143,19 +143,30 @@ def test_greedy_32_tokens_are_transformers_tokens(tiny_pair, backend):
     paged pool) gives the tokens transformers' own greedy loop gives."""
     loaded, hf = tiny_pair
     prompts = random_prompts(loaded.arch.vocab_size, [7, 21], seed=7)
-    sess = PagedSession(loaded, page_size=4, attention=backend)
+    assert greedy_paged(PagedSession(loaded, page_size=4, attention=backend), prompts, 32) == \
+        greedy_reference(hf, prompts, 32)
+
+
+def greedy_paged(sess: PagedSession, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """n greedy tokens of each prompt, decoded as one paged batch (the session is closed)."""
     try:
-        ours = [[t] for t in sess.prefill(prompts, reserve=32).argmax(-1).tolist()]
-        for _ in range(31):
+        ours = [[t] for t in sess.prefill(prompts, reserve=n).argmax(-1).tolist()]
+        for _ in range(n - 1):
             for seq, t in zip(ours, sess.decode([seq[-1] for seq in ours]).argmax(-1).tolist()):
                 seq.append(t)
+        return ours
     finally:
         sess.close()
+
+
+@torch.inference_mode()
+def greedy_reference(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """n greedy tokens of each prompt from transformers, recomputing every prefix."""
     seqs = [list(p) for p in prompts]
-    for _ in range(32):
+    for _ in range(n):
         for seq, t in zip(seqs, reference_last_logits(hf, seqs).argmax(-1).tolist()):
             seq.append(t)
-    assert ours == [seq[len(p):] for seq, p in zip(seqs, prompts)]
+    return [seq[len(p):] for seq, p in zip(seqs, prompts)]
 
 
 @pytest.mark.gpu
@@ -170,20 +181,7 @@ def test_cuda_bf16_greedy_32_tokens_are_transformers_tokens(arch, tmp_path):
     assert loaded.attention_backend == "cuda" and loaded.device.startswith("cuda")
     hf = AutoModelForCausalLM.from_pretrained(str(d), local_files_only=True, dtype=torch.bfloat16).to("cuda").eval()
     prompts = random_prompts(loaded.arch.vocab_size, [7, 21, 3, 40, 12], seed=11)
-    sess = PagedSession(loaded, page_size=16, num_pages=64)
-    try:
-        ours = [[t] for t in sess.prefill(prompts, reserve=32).argmax(-1).tolist()]
-        for _ in range(31):
-            for seq, t in zip(ours, sess.decode([seq[-1] for seq in ours]).argmax(-1).tolist()):
-                seq.append(t)
-    finally:
-        sess.close()
-    seqs = [list(p) for p in prompts]
-    with torch.inference_mode():
-        for _ in range(32):
-            for seq, t in zip(seqs, reference_last_logits(hf, seqs).argmax(-1).tolist()):
-                seq.append(t)
-    assert ours == [seq[len(p):] for seq, p in zip(seqs, prompts)]
+    assert greedy_paged(PagedSession(loaded, page_size=16), prompts, 32) == greedy_reference(hf, prompts, 32)
 
 
 def test_tiny_logits_are_not_trivially_small(tiny_pair):
