@@ -327,7 +327,8 @@ class EngineCore:
         done = [(len(decodes) + row, c) for row, i in enumerate(items) if i.completes for c in self._fork(i.req)]
         rows = list(range(len(decodes))) + [r for r, _ in done]
         if rows:
-            self._sample_and_emit(decodes + [req for _, req in done], logits.index_select(0, torch.tensor(rows, device=logits.device)))
+            picked = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            self._sample_and_emit(decodes + [req for _, req in done], picked)
 
     def _run_decode(self, reqs: list[Req]) -> None:
         logits = self.runner.decode([_last_token(r) for r in reqs], [r.seq_len - 1 for r in reqs],

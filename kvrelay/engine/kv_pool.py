@@ -2,9 +2,9 @@
 
 The buffer may be provided by the caller on the CPU (a transfer backend's placement, e.g. a
 shared-memory segment, so a one-sided backend can write pages straight in); otherwise it is
-allocated here, on the engine's device. `region()` is what the transfer manager registers. The pool
-knows nothing about ownership: `engine.allocator.PageAllocator` decides which pages a
-request holds.
+allocated here, on the engine's device. `region()` is what the transfer manager registers.
+The pool knows nothing about ownership: `engine.allocator.PageAllocator` decides which
+pages a request holds.
 
 `kv_pool_for` picks the pool for a layout: `KVPool` stores K/V in the compute dtype,
 `QuantizedKVPool` in 8 bits with a scale per vector inside each page.

@@ -146,7 +146,7 @@ class ShmManager(CommonManager):
         region, seg = self.check_regions(regions), self.segment
         if seg is None or region.ptr != host_address(seg.buf):
             raise ValueError("the shm backend moves a pool placed in its segment (place_pool)")
-        super().register_kv(regions)
+        self.region, self.pool = region, region.host
 
     def endpoint(self) -> dict:
         if self.segment is None or self.region is None:
