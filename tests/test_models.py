@@ -262,8 +262,8 @@ def test_after_layer_runs_once_per_layer_and_changes_no_logit(tiny_pair):
         called.add(prompts, reserve=0)
         batch = [SeqChunk(p, 0, called.alloc.pages_of(b)) for b, p in enumerate(called.seqs)]
         calls = []
-        got = loaded.model(build_forward_batch(batch, called.page_size), called.attn, lambda: calls.append(1))
-        assert len(calls) == loaded.arch.num_layers
+        got = loaded.model(build_forward_batch(batch, called.page_size), called.attn, calls.append)
+        assert calls == list(range(1, loaded.arch.num_layers + 1))
         assert torch.equal(got, want)
     finally:
         plain.close()

@@ -28,8 +28,8 @@ LIFE = LifecycleConfig(heartbeat_interval=0.2, heartbeat_misses=8, bootstrap_tim
 
 class Pair:
     def __init__(self, loaded, backend: str, d_faults: str | None = None, cluster_key=None,
-                 life: LifecycleConfig = LIFE) -> None:
-        tc = TransferConfig(transfer_backend=backend)
+                 life: LifecycleConfig = LIFE, layerwise: bool = True) -> None:
+        tc = TransferConfig(transfer_backend=backend, layerwise_transfer=layerwise)
         self.P = AsyncEngine(lambda: PrefillCore(loaded, KV, SCHED, life, tc, cluster_key=cluster_key))
         dtc = TransferConfig(transfer_backend=backend, fault_spec=d_faults)
         self.D = AsyncEngine(lambda: DecodeCore(loaded, KV, SCHED, life, dtc, cluster_key=cluster_key))
@@ -386,16 +386,16 @@ def test_a_prefill_step_longer_than_the_lease_keeps_its_pair_and_answers_reads(t
         def slow_layers(c):
             inner = c.engine.runner.between_layers
 
-            def between_layers():
+            def between_layers(layers):
                 if slow_now.is_set():
                     marks.setdefault("start", time.monotonic())
                     end = time.monotonic() + layer_s
                     while time.monotonic() < end:
                         time.sleep(0.05)
-                        inner()
+                        inner(layers)
                     marks["end"] = time.monotonic()
                 else:
-                    inner()
+                    inner(layers)
             c.engine.runner.between_layers = between_layers
         pair.P.call(slow_layers)
         slow_now.set()

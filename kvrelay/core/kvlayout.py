@@ -62,6 +62,23 @@ class KVLayout:
         return self.scales_offset + (self.vectors * SCALE_BYTES if self.quantized else 0)
 
     @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer's values in a page: K then V of every head."""
+        return 2 * self.num_kv_heads * self.page_size * self.head_dim * KV_DTYPE_BYTES[self.kv_dtype]
+
+    def layer_spans(self, first: int, last: int) -> tuple[tuple[int, int], ...]:
+        """The (offset, length) byte spans within a page that hold layers [first, last):
+        their values, then, 8-bit, their scales. A page's layers are contiguous, so any
+        range of them is one span of values (and one of scales)."""
+        if not 0 <= first < last <= self.num_layers:
+            raise ValueError(f"layers [{first}, {last}) of a model of {self.num_layers}")
+        spans = [(first * self.layer_bytes, (last - first) * self.layer_bytes)]
+        if self.quantized:
+            per_layer = 2 * self.num_kv_heads * self.page_size * SCALE_BYTES
+            spans.append((self.scales_offset + first * per_layer, (last - first) * per_layer))
+        return tuple(spans)
+
+    @property
     def token_bytes(self) -> int:
         """Bytes of KV cache per token (all layers, K and V, scales included)."""
         return self.page_bytes // self.page_size
@@ -98,6 +115,36 @@ def paired_runs(src_pages, dst_pages, page_bytes: int) -> list[tuple[int, int, i
         else:
             runs.append([s, d, 1])
     return [(s * page_bytes, d * page_bytes, n * page_bytes) for s, d, n in runs]
+
+
+@dataclass(frozen=True)
+class PagePart:
+    """Part of a room's KV: the pages at positions [first, first + count) of its page
+    list, whole (`spans` None) or only the (offset, length) byte spans `spans` of each
+    (`KVLayout.layer_spans`)."""
+    first: int
+    count: int
+    spans: tuple[tuple[int, int], ...] | None = None
+
+
+def part_runs(parts, src_pages, dst_pages, page_bytes: int) -> list[tuple[int, int, int]]:
+    """(src offset, dst offset, length) byte runs moving `parts` from `src_pages` to
+    `dst_pages` (position i of one to position i of the other); whole pages coalesce as
+    in `paired_runs`. A part outside either list, or a span outside a page, raises."""
+    runs: list[tuple[int, int, int]] = []
+    for part in parts:
+        end = part.first + part.count
+        if part.first < 0 or part.count < 1 or end > min(len(src_pages), len(dst_pages)):
+            raise ValueError(f"pages [{part.first}, {end}) of {len(src_pages)} source and "
+                             f"{len(dst_pages)} destination pages")
+        src, dst = src_pages[part.first:end], dst_pages[part.first:end]
+        if part.spans is None:
+            runs += paired_runs(src, dst, page_bytes)
+            continue
+        if any(off < 0 or n < 1 or off + n > page_bytes for off, n in part.spans):
+            raise ValueError(f"byte spans {part.spans} outside a page of {page_bytes}")
+        runs += [(s * page_bytes + off, d * page_bytes + off, n) for s, d in zip(src, dst) for off, n in part.spans]
+    return runs
 
 
 class Stager(Protocol):

@@ -32,6 +32,7 @@ from typing import Callable
 
 from kvrelay.core.clock import Clock
 from kvrelay.core.config import LifecycleConfig
+from kvrelay.core.kvlayout import PagePart
 from kvrelay.disagg import wire
 from kvrelay.disagg.lease import Coordinator, PeerLease
 from kvrelay.disagg.lifecycle import (P_TRANSITIONS, Lifecycle, PPhase, Reason, Room, TerminalEvent,
@@ -79,9 +80,20 @@ class PrefillSide(Coordinator):
                 out.append(room)
         return out
 
-    def prefill_done(self, room: int, src_pages: list[int], aux: wire.Aux) -> bool:
-        """The KV of `room` is in `src_pages`: start the transfer. False if the room already
-        ended (its pages were released then)."""
+    def send_ahead(self, room: int, src_pages: list[int], parts: list[PagePart]) -> None:
+        """While `room` computes its prompt: write `parts` of its pages so far (final
+        bytes, `disagg.layerwise`) to D now. Ends no room (a failed write fails the
+        sender, and the next `step()` the room)."""
+        r = self.lc.rooms.get(room)
+        if r is not None and r.phase is PPhase.PREFILL:
+            for part in parts:
+                self._senders[room].send_ahead(src_pages, part)
+
+    def prefill_done(self, room: int, src_pages: list[int], aux: wire.Aux,
+                     parts: list[PagePart] | None = None) -> bool:
+        """The KV of `room` is in `src_pages`: start the transfer of `parts` of them
+        (None: all; what `send_ahead` did not write). False if the room already ended
+        (its pages were released then)."""
         r = self.lc.rooms.get(room)
         if r is None or r.phase is not PPhase.PREFILL:
             return False
@@ -89,7 +101,7 @@ class PrefillSide(Coordinator):
         lease = self.leases.peers.get(r.peer or "")
         r.data.link_landed = lease.landed if lease is not None else 0  # progress counts from here
         r.data.sent_at_read = self.heartbeat_reads
-        self._senders[room].send(list(src_pages), aux)
+        self._senders[room].send(list(src_pages), aux, parts)
         return True
 
     # ---- reactions --------------------------------------------------------------------------

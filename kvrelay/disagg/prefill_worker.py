@@ -19,15 +19,21 @@ Invariants:
   room that ends before its prefill finished is aborted in the engine, which frees them.
 - Heartbeats leave from `step()` and, inside a prefill pass, between its layers
   (`between_layers`): both on the scheduler loop's thread, so a hung loop or pass stops beating.
+- Layer-wise transfer (`--layerwise-transfer`, on a backend that `writes_within_pages`):
+  between layers, the layers computed since the last call go to D (`send_ahead`) for each
+  room in the pass; `prefill_done` sends the rest (`LayerCursor.finish`), and aux only
+  after every byte. A room's cursor ends with the room.
 """
 from __future__ import annotations
 
 from collections.abc import Hashable
 
 from kvrelay.disagg import wire
+from kvrelay.disagg.layerwise import LayerCursor
 from kvrelay.disagg.lifecycle import PPhase, TerminalEvent, phase_name
 from kvrelay.disagg.prefill_side import PrefillSide
 from kvrelay.disagg.worker_core import Leg, WorkerCore, reason_of
+from kvrelay.engine.hooks import PassProgress
 from kvrelay.engine.request import Req
 from kvrelay.engine.sampling import SampleResult
 from kvrelay.engine.types import FinishReason, GenerateRequest, StepOutput
@@ -41,8 +47,33 @@ class PrefillCore(WorkerCore):
     LONG_STEPS = True   # it heartbeats between layers, and no decode here waits on a step
 
     def _make_side(self) -> PrefillSide:
+        # Layer-wise transfer: a room's KV goes to D layer by layer while its prompt computes.
+        self._layerwise = self.transfer_cfg.layerwise_transfer and self.manager.writes_within_pages
+        self._cursors: dict[int, LayerCursor] = {}   # room -> what of it went ahead
         return PrefillSide(self.lifecycle_cfg, self.manager, self.clock, self._release_room,
                            on_terminal=self._on_terminal)
+
+    def between_layers(self, progress: PassProgress) -> None:   # EngineHooks
+        if self._layerwise and progress.layers:
+            self._write_ahead(progress)
+        super().between_layers(progress)
+
+    def _write_ahead(self, progress: PassProgress) -> None:
+        """Send D the layers this pass has computed since the last call, for each room
+        in it (only reads the pool: the pass goes on writing the next layers)."""
+        fenced = False
+        for item in progress.items:
+            room = self.room_of.get(item.req.rid)
+            r = self.side.lc.rooms.get(room) if room is not None else None
+            if r is None or r.phase is not PPhase.PREFILL or item.req.index:
+                continue
+            cursor = self._cursors.setdefault(room, LayerCursor(self.engine.layout))
+            parts = cursor.advance(item.start, item.start + item.length, progress.layers)
+            if parts:
+                if not fenced:
+                    self.engine.kv.fence()
+                    fenced = True
+                self.side.send_ahead(room, list(item.req.pages), parts)
 
     # ---- legs ----------------------------------------------------------------------------
     def add(self, greq: GenerateRequest, sink, room: int) -> None:
@@ -111,13 +142,15 @@ class PrefillCore(WorkerCore):
         leg.in_engine = False
         if self.metrics is not None:
             self.metrics.observe_leg_first_token(self.clock.now() - created)
-        self.side.prefill_done(room, pages, aux)
+        cursor = self._cursors.pop(room, None)
+        self.side.prefill_done(room, pages, aux, cursor.finish(prompt_len, len(pages)) if cursor else None)
 
     def _release_room(self, room: int) -> None:
         self.engine.allocator.free(("room", room))
 
     def _on_terminal(self, ev: TerminalEvent) -> None:
         self._record_terminal(ev)
+        self._cursors.pop(ev.room, None)
         leg = self._pop_leg(ev.room)
         if leg is None:
             return

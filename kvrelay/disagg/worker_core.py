@@ -38,7 +38,7 @@ from kvrelay.disagg.lease import Coordinator
 from kvrelay.disagg.lifecycle import Reason, TerminalEvent, phase_name
 from kvrelay.disagg.transfer import create_manager
 from kvrelay.engine.core import EngineCore, kv_layout_for, num_pages_for
-from kvrelay.engine.hooks import EngineHooks
+from kvrelay.engine.hooks import EngineHooks, PassProgress
 from kvrelay.engine.sampling import validate_params
 from kvrelay.engine.types import ErrorCode, FinishReason, GenerateRequest, RequestRejected, StepOutput
 from kvrelay.obs.metrics import Snapshot
@@ -228,7 +228,7 @@ class WorkerCore(EngineHooks):
             self.metrics.observe_phase(phase, seconds)
 
     # ---- the loop ------------------------------------------------------------------------
-    def between_layers(self) -> None:   # EngineHooks
+    def between_layers(self, progress: PassProgress) -> None:   # EngineHooks
         self.side.mid_step()
 
     @property
@@ -311,6 +311,7 @@ class WorkerCore(EngineHooks):
                             for names in (self.RUNNING_PHASES, self.QUEUED_PHASES))
         return Snapshot(phases=phases, overdue=overdue, engine=self.engine.engine_stats(running, waiting),
                         counters={"kvrelay_transfer_bytes": m.bytes_written,
+                                  "kvrelay_transfer_ahead_bytes": m.bytes_ahead,
                                   "kvrelay_transfer_seconds": m.write_seconds},
                         gauges={"kvrelay_kv_pages_quarantined": self.side.quarantined_pages()})
 

@@ -21,7 +21,7 @@ from kvrelay.engine.allocator import PageAllocator
 from kvrelay.engine.core_share import YIELD_POLL, CoreShare
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.grammar import GrammarCompiler
-from kvrelay.engine.hooks import EngineHooks
+from kvrelay.engine.hooks import EngineHooks, PassProgress
 from kvrelay.engine.kv_pool import kv_pool_for
 from kvrelay.engine.request import Req, ReqStatus, choice_params
 from kvrelay.engine.runner import ModelRunner, SeqChunk
@@ -100,6 +100,7 @@ class EngineCore:
         # from `_between_layers`, on the engine thread, inside a prefill pass.
         self.serve_reads: Callable[[], None] | None = None
         self._mid_step_at = float("-inf")
+        self._pass: tuple[PrefillItem, ...] = ()   # the chunks of the prefill pass under way
         self.runner.between_layers = self._between_layers
 
     @property
@@ -276,7 +277,7 @@ class EngineCore:
             self.last_prefill = (tokens, seconds)
         self.scheduler.costs.observe(len(batch.decode), tokens, seconds)
 
-    def _between_layers(self) -> None:
+    def _between_layers(self, layers: int) -> None:
         """Inside a prefill pass, after a layer, at most every MID_STEP_PERIOD: the
         loop's work that cannot wait for a long step's end. Invariant: nothing here
         touches the running batch, its pages or the scheduler's queues (adds, aborts and
@@ -287,7 +288,7 @@ class EngineCore:
             return
         self._mid_step_at = now
         try:
-            self.hooks.between_layers()
+            self.hooks.between_layers(PassProgress(self._pass, layers))
             if self.serve_reads is not None:
                 self.serve_reads()
         except Exception:  # the pass goes on; the step's end meets the fault in the loop
@@ -321,7 +322,11 @@ class EngineCore:
         self._count_prefill(items)
         chunks = [SeqChunk([_last_token(r)], r.seq_len - 1, r.pages) for r in decodes]
         chunks += [SeqChunk(i.req.tokens(i.start, i.start + i.length), i.start, i.req.pages) for i in items]
-        logits = self.runner.prefill(chunks)
+        self._pass = tuple(items)
+        try:
+            logits = self.runner.prefill(chunks)
+        finally:
+            self._pass = ()
         self.scheduler.on_decode_done(decodes)
         self.scheduler.on_prefill_done(items)
         done = [(len(decodes) + row, c) for row, i in enumerate(items) if i.completes for c in self._fork(i.req)]

@@ -12,11 +12,23 @@ defaults do nothing, which is a colocated engine's behaviour (`EngineHooks()`).
 from __future__ import annotations
 
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvrelay.engine.request import Req
     from kvrelay.engine.sampling import SampleResult
+    from kvrelay.engine.scheduler import PrefillItem
+
+
+@dataclass(frozen=True)
+class PassProgress:
+    """How far the prefill pass under way has come: its prompt chunks (each a request's
+    tokens [start, start + length)) and how many of its first layers it has computed.
+    Those layers' K/V for these tokens is in the pool and final (`KVPool.fence` first,
+    to read it on a device that computes asynchronously)."""
+    items: tuple[PrefillItem, ...]
+    layers: int
 
 
 class EngineHooks:
@@ -33,8 +45,8 @@ class EngineHooks:
         Not called for a choice that ends by abort or error: its pages are freed with it."""
         return None
 
-    def between_layers(self) -> None:
+    def between_layers(self, progress: PassProgress) -> None:
         """Inside a prefill pass, after a layer, at most every `MID_STEP_PERIOD`: work that
         cannot wait for a long step's end (a worker core's heartbeats and transfer
-        backend). Must not touch the running batch or its pages; an exception is logged
-        and the pass goes on."""
+        backend; the layers computed so far, `progress`, may be read and sent). Must not
+        change the running batch or its pages; an exception is logged and the pass goes on."""

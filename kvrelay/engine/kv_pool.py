@@ -126,6 +126,13 @@ class KVPool:
         return KVRegion(flat.data_ptr(), flat.numel(), str(device), self.layout, stage=TensorStager(flat),
                         handle=flat)
 
+    def fence(self) -> None:
+        """Return once every K/V store issued so far is in the pool's memory, for a reader
+        that does not order itself after this device's work (a transfer backend reading
+        the pool mid-pass). The CPU stores synchronously: nothing to wait for."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     def read_pages(self, page_ids: list[int]) -> bytes:
         idx = torch.tensor(page_ids, dtype=torch.long, device=self.device)
         return self._bytes.view(self.num_pages, self.page_bytes).index_select(0, idx).cpu().numpy().tobytes()

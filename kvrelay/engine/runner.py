@@ -78,7 +78,7 @@ class Runner(ABC):
       step is shorter than any lease).
     """
     CALLS_BETWEEN_LAYERS = False
-    between_layers: Callable[[], None] | None = None
+    between_layers: Callable[[int], None] | None = None   # gets the layers done so far
 
     @abstractmethod
     def prefill(self, chunks: list[SeqChunk]) -> torch.Tensor: ...
@@ -97,7 +97,7 @@ class ModelRunner(Runner):
         self.attention = make_attention_backend(attention, kv, model.arch.num_heads)
 
     @torch.inference_mode()
-    def forward(self, chunks: list[SeqChunk], after_layer: Callable[[], None] | None = None) -> torch.Tensor:
+    def forward(self, chunks: list[SeqChunk], after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """float32 logits [B, vocab] of the last token of each chunk."""
         batch = build_forward_batch(chunks, self.page_size)
         if self.kv.device.type != "cpu":   # the index tensors go where the model and the pool are

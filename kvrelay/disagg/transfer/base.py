@@ -31,7 +31,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvrelay.core.kvlayout import KVLayout, KVRegion
+from kvrelay.core.kvlayout import KVLayout, KVRegion, PagePart
 from kvrelay.disagg import wire
 
 if TYPE_CHECKING:
@@ -86,6 +86,8 @@ class WriteJob:
     handle: Any = None
     fault: str | None = None  # injected: "hang" (never started, never stops) or "fail"
     started: float = 0.0      # manager clock when the write started
+    begun: bool = False       # handed to the backend (`start_job`); a room's last write waits for those ahead
+    recorded: bool = False    # counted in the manager's stats (`record_write`)
     aux: wire.Aux | None = None   # what D gets once every byte landed
     aux_in_band: bool = False     # the backend delivers `aux` itself, after the data (NIXL notif)
     bytes_sent: int = 0           # bytes handed off so far (queued to a socket, copied); grows while it moves
@@ -110,10 +112,22 @@ class KVSender(ABC):
         Duplicates of the same (room, epoch) are ignored."""
 
     @abstractmethod
-    def send(self, src_pages: list[int], aux: wire.Aux) -> None:
+    def send(self, src_pages: list[int], aux: wire.Aux, parts: list[PagePart] | None = None) -> None:
         """Start writing `src_pages` of the local pool into the destination pages, then send
-        `aux` (its room/epoch are filled in here) once every byte has landed. Valid in
-        WAITING; a no-op once FAILED. A page-count mismatch fails with invalid_request."""
+        `aux` (its room/epoch are filled in here) once every byte has landed, those written
+        ahead included. `parts`: only these parts of the pages (what `send_ahead` left);
+        None: every page, whole. Valid in WAITING; a no-op once FAILED. A page-count
+        mismatch, or a part outside the pages, fails with invalid_request."""
+
+    @abstractmethod
+    def send_ahead(self, src_pages: list[int], part: PagePart) -> None:
+        """While the room's prompt is computing (WAITING): start writing `part` of the
+        pages computed so far, `src_pages` (positions 0.. of the room's page list), into
+        the destination pages at the same positions. Only where the manager
+        `writes_within_pages`. The bytes must be final: nothing rewrites them but a later
+        write of the same room. Its progress and failure count as the room's (a failed
+        write ahead fails the sender); `send`'s own write starts once every write ahead
+        is done. A no-op once FAILED."""
 
     @abstractmethod
     def poll(self) -> TransferStatus:
@@ -208,18 +222,22 @@ class TransferManager(ABC):
     write reports no progress (`bytes_sent` stays 0 until it completes): the lifecycle then
     never fails it for making none, and only --transfer-timeout bounds a hung one.
     `address` is this worker's control address (what the router hands out as P's
-    bootstrap address)."""
+    bootstrap address). `writes_within_pages` says that a write may move any byte
+    span of a page, not only whole pages: senders then take `send_ahead`, the layer-wise
+    transfer (`disagg.layerwise`)."""
     name: str
     one_sided: bool
     opaque_writes: bool
+    writes_within_pages: bool = False
     address: str
     worker_id: str
     incarnation: str
     layout: KVLayout
     # Counts and stats (P side), read by the worker's /metrics and its debug view.
     bytes_written: int = 0       # KV bytes of completed writes
+    bytes_ahead: int = 0         # of which written ahead, while their prompt computed (send_ahead)
     write_seconds: float = 0.0   # their summed durations, start to every byte landed
-    writes_done: int = 0
+    writes_done: int = 0         # rooms whose every write completed
 
     memory: tuple[str, ...] = ("cpu",)   # device types whose memory this backend moves
 

@@ -85,6 +85,7 @@ class CommonManager(DataPath, TransferManager):
         self._heard: dict[str, float] = {}                # peer address -> last message time
         self._landed_from: dict[str, int] = {}            # D: peer address -> KV pages landed from it
         self.bytes_written = 0       # P: KV bytes of completed writes
+        self.bytes_ahead = 0         # P: of which written ahead (layer-wise, send_ahead)
         self.write_seconds = 0.0     # P: their summed durations (start to every byte landed)
         self.writes_done = 0
 
@@ -121,13 +122,18 @@ class CommonManager(DataPath, TransferManager):
         """D acknowledges a room's KV + aux (a backend may carry it on its data path)."""
         self.channel.send(dst, ack)
 
-    def record_write(self, job: WriteJob) -> None:
-        self.bytes_written += sum(n for _, _, n in job.runs)
-        self.write_seconds += self.clock.now() - job.started
-        self.writes_done += 1
+    def record_write(self, job: WriteJob, room_done: bool = False) -> None:
+        """Count a completed write, once; `room_done`: the room's last."""
+        if not job.recorded:
+            job.recorded = True
+            nbytes = sum(n for _, _, n in job.runs)
+            self.bytes_written += nbytes
+            self.bytes_ahead += 0 if job.aux is not None else nbytes
+            self.write_seconds += self.clock.now() - job.started
+        self.writes_done += room_done
 
     def start_job(self, job: WriteJob) -> None:
-        job.started = self.clock.now()
+        job.started, job.begun = self.clock.now(), True
         job.fault = self.faults.transfer_fault()
         if job.fault == "fail":
             job.fail("injected transfer failure")

@@ -74,6 +74,7 @@ def _unb64(v) -> bytes:
 class CudaIpcManager(CommonManager):
     name = "cuda_ipc"
     one_sided = True
+    writes_within_pages = True   # a write's runs are any byte spans (layer-wise transfer)
     memory = ("cuda",)
 
     def __init__(self, layout, transfer=None, **kwargs) -> None:

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvrelay.core import mutation
-from kvrelay.core.kvlayout import paired_runs
+from kvrelay.core.kvlayout import PagePart, paired_runs, part_runs
 from kvrelay.disagg import wire
 from kvrelay.disagg.transfer.base import (KVReceiver, KVSender, PeerInfo, TransferStatus, WriteJob,
                                           WriteState)
@@ -63,14 +63,15 @@ class CommonSender(_Endpoint, KVSender):
         self.dest: wire.Destination | None = None
         self.peer_address: str | None = None
         self.epoch: int | None = None
-        self.job: WriteJob | None = None
+        self.job: WriteJob | None = None        # the last write, with the aux after it
+        self.ahead: list[WriteJob] = []          # writes made while the prompt computed
         self.pending_aux: wire.Aux | None = None
         self.aux_sent = False
         self.stopped_sent = False
 
     @property
     def bytes_sent(self) -> int:
-        return self.job.bytes_sent if self.job is not None else 0
+        return sum(job.bytes_sent for job in self.jobs)
 
     def init(self, destination: wire.Destination, src: str) -> None:
         if self.dest is not None:
@@ -84,51 +85,101 @@ class CommonSender(_Endpoint, KVSender):
         self.dest, self.peer_address, self.epoch = destination, src, destination.epoch
         self.status = S.WAITING
 
-    def send(self, src_pages: list[int], aux: wire.Aux) -> None:
+    def send_ahead(self, src_pages: list[int], part: PagePart) -> None:
+        if self.status is not S.WAITING:
+            if self.status is S.FAILED:
+                return
+            raise RuntimeError(f"send_ahead() on room {self.room} in {self.status.name}")
+        if not self.m.writes_within_pages:
+            raise RuntimeError(f"the {self.m.name} transfer backend writes whole pages only")
+        job = self._job(src_pages, [part], None, whole=False)
+        if job is not None:
+            self.ahead.append(job)
+            self.m.start_job(job)
+            self.pump()
+
+    def send(self, src_pages: list[int], aux: wire.Aux, parts: list[PagePart] | None = None) -> None:
         if self.status is not S.WAITING:
             if self.status is S.FAILED:
                 return
             raise RuntimeError(f"send() on room {self.room} in {self.status.name}")
         dest = self.dest
+        assert dest is not None
+        self.pending_aux = replace(aux, room=self.room, epoch=dest.epoch)
+        self.job = self._job(src_pages, parts, self.pending_aux, whole=True)
+        if self.job is None:
+            return
+        self.status = S.TRANSFERRING
+        self.pump()
+
+    def _job(self, src_pages: list[int], parts: list[PagePart] | None, aux: wire.Aux | None,
+             whole: bool) -> WriteJob | None:
+        """The write of `parts` of `src_pages` (None: every page, whole) into the
+        destination, or None after failing the room for what makes it impossible. `whole`:
+        `src_pages` are all the room's pages (their count must be the destination's)."""
+        dest = self.dest
         assert dest is not None and self.peer_address is not None
-        if len(src_pages) != len(dest.dst_pages):
+        if len(src_pages) > len(dest.dst_pages) or whole and len(src_pages) != len(dest.dst_pages):
             self._fail("invalid_request",
                        f"{len(src_pages)} KV pages for {len(dest.dst_pages)} destination pages")
-            return
+            return None
         peer = self.m.peers().get(self.peer_address)
         if peer is None:
             self._fail("peer_failed", "decode worker not bootstrapped (or forgotten)")
-            return
+            return None
         bad = self.m.bad_destination(dest, peer)
         if bad:
             self._fail("invalid_request", bad)
-            return
-        self.pending_aux = replace(aux, room=self.room, epoch=dest.epoch)
-        runs = paired_runs(src_pages, dest.dst_pages, self.m.layout.page_bytes)
-        self.job = WriteJob(self.room, dest.epoch, peer, tuple(src_pages), dest.dst_pages, runs, aux=self.pending_aux)
-        self.status = S.TRANSFERRING
-        self.m.start_job(self.job)
-        self.pump()
+            return None
+        pb = self.m.layout.page_bytes
+        try:
+            runs = (paired_runs(src_pages, dest.dst_pages, pb) if parts is None
+                    else part_runs(parts, src_pages, dest.dst_pages, pb))
+        except ValueError as e:
+            self._fail("invalid_request", str(e))
+            return None
+        return WriteJob(self.room, dest.epoch, peer, tuple(src_pages), dest.dst_pages, runs, aux=aux)
+
+    @property
+    def jobs(self) -> list[WriteJob]:
+        """Every write of this room: those ahead of the prompt's end, then the last."""
+        return self.ahead + ([self.job] if self.job is not None else [])
 
     def pump(self) -> None:
-        """Advance the write; send aux once it is done; send Stopped once a failed write
-        has quiesced."""
-        job = self.job
+        """Advance the writes; start the last one once every write ahead is done (so that
+        aux, which follows it, follows every byte); send aux once it is done; send Stopped
+        once a failed room's writes have quiesced."""
         if self.status is S.FAILED:
-            if job is not None and job.state is WriteState.PENDING and self.m.cancel_job(job):
-                job.state = WriteState.CANCELLED
-            if not self.stopped_sent and (job is None or job.state is not WriteState.PENDING):
+            pending = False
+            for job in self.jobs:
+                if job.state is WriteState.PENDING and job.begun and self.m.cancel_job(job):
+                    job.state = WriteState.CANCELLED
+                pending = pending or job.state is WriteState.PENDING and job.begun
+            if not self.stopped_sent and not pending:
                 self._send_stopped()
             return
+        for job in self.ahead:
+            if job.state is WriteState.PENDING:
+                self.m.progress_job(job)
+            if job.state is WriteState.FAILED:
+                self._fail("transfer_error", job.detail or "write failed")
+                return
+            if job.state is WriteState.DONE and not job.recorded:
+                self.m.record_write(job)
+        job = self.job
         if job is None or self.status is not S.TRANSFERRING:
             return
+        if not job.begun:
+            if any(j.state is not WriteState.DONE for j in self.ahead):
+                return
+            self.m.start_job(job)
         if job.state is WriteState.PENDING:
             self.m.progress_job(job)
         if job.state is WriteState.FAILED:
             self._fail("transfer_error", job.detail or "write failed")
         elif job.state is WriteState.DONE and not self.aux_sent:
             self.aux_sent = True
-            self.m.record_write(job)
+            self.m.record_write(job, room_done=True)
             if not job.aux_in_band:
                 self.resend()
 

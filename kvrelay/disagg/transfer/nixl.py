@@ -55,6 +55,7 @@ class NixlManager(CommonManager):
     name = "nixl"
     memory = ("cpu", "cuda")
     one_sided = True
+    writes_within_pages = True   # a write's runs are any byte spans (layer-wise transfer)
     opaque_writes = True
 
     def __init__(self, layout, transfer=None, **kwargs) -> None:

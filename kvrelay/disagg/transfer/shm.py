@@ -128,6 +128,7 @@ def unlink_segment(seg: shared_memory.SharedMemory) -> None:
 class ShmManager(CommonManager):
     name = "shm"
     one_sided = True
+    writes_within_pages = True   # a write's runs are any byte spans (layer-wise transfer)
 
     def __init__(self, layout, transfer=None, **kwargs) -> None:
         super().__init__(layout, transfer, **kwargs)

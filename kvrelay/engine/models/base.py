@@ -44,8 +44,8 @@ class CausalLM(nn.Module):
       metadata that returns (`meta(qkv, layer)`), which applies RoPE, stores this pass's K
       and V in the pool and attends (`engine.attention.base`); models never address the pool.
       It returns float32 logits [B, vocab] for the rows in `batch.logits_index`.
-      `after_layer`, when given, is called with no argument once after each layer, on the
-      calling thread; what it does must not touch the pool pages of `batch` or the model
+      `after_layer`, when given, is called once after each layer with the number of layers
+      done (1, 2, ...; their K/V is in the pool then), on the calling thread; what it does must not touch the pool pages of `batch` or the model
       (the engine heartbeats its peers and answers read-only calls there).
     - `load_weights(named)` takes (HF-style name, tensor) pairs, already un-permuted.
     - `prepare(fmt)` runs once after the weights are final (e.g. to pre-pack them for the
@@ -73,7 +73,7 @@ class CausalLM(nn.Module):
         pass
 
     @abstractmethod
-    def forward(self, batch: ForwardBatch, kv, after_layer: Callable[[], None] | None = None) -> torch.Tensor: ...
+    def forward(self, batch: ForwardBatch, kv, after_layer: Callable[[int], None] | None = None) -> torch.Tensor: ...
 
     @abstractmethod
     def load_weights(self, named) -> None: ...

@@ -96,14 +96,14 @@ class LlamaForCausalLM(CausalLM):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attention: AttentionBackend,
-                after_layer: Callable[[], None] | None = None) -> torch.Tensor:
+                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         h = self.model.embed_tokens(batch.input_ids)
         attn = attention.begin(batch, self.rotary.table(h.device))
         delta = None
-        for layer in self.model.layers:
+        for done, layer in enumerate(self.model.layers, 1):
             h, delta = layer(h, delta, attn)
             if after_layer is not None:
-                after_layer()
+                after_layer(done)
         rows = batch.logits_index
         h, _ = self.model.norm.add_and_norm(h[rows], delta[rows])
         head = self.lm_head
