@@ -47,6 +47,8 @@ def post(port: int, body: dict, timeout: float) -> float:
 
 
 def counters(port: int) -> dict[str, float]:
+    """The prefill worker's transfer counters, and the seconds its rooms spent in each
+    phase (`p_<phase>_s`: `transfer` runs from the prompt's end to D's ack)."""
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     except OSError:
@@ -54,8 +56,12 @@ def counters(port: int) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in COUNTERS:
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        phase = re.search(r'phase="(\w+)"', line)
+        if name == "kvrelay_phase_duration_seconds_sum" and phase:
+            name = f"p_{phase.group(1)}_s"
+        elif name not in COUNTERS:
+            continue
+        out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -79,14 +85,19 @@ def run_one(args, name: str, tree: str | None, flags: str, round_no: int) -> dic
     argv = [sys.executable, "-m", "kvrelay", "serve", "--port", str(args.port), "--worker-base-port",
             str(args.port + 1), "--max-model-len", str(args.max_model_len), *shlex.split(flags)]
     log = open(os.path.join(args.out, f"server-{name}-{round_no}.log"), "w") if args.out else subprocess.DEVNULL
-    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # from the tree's directory: `python -m` puts the working directory first on sys.path
+    proc = subprocess.Popen(argv, env=env, cwd=tree or None, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     try:
         wait_ready(args.port, proc, 300)
         rng = random.Random(args.seed + round_no)
         post(args.port, {"prompt": [rng.randrange(100, 40000) for _ in range(64)], "max_tokens": 2}, 120)
         prompt = [rng.randrange(100, 40000) for _ in range(args.tokens)]
+        before = counters(args.port + 1)
         ttft = post(args.port, {"prompt": prompt, "max_tokens": 1}, 1200)
-        return {"round": round_no, "variant": name, "ttft_s": round(ttft, 3), **counters(args.port + 1)}
+        after = counters(args.port + 1)   # of the long prompt alone
+        return {"round": round_no, "variant": name, "ttft_s": round(ttft, 3),
+                **{k: round(v - before.get(k, 0.0), 4) for k, v in after.items()}}
     finally:
         proc.terminate()
         try:
@@ -124,8 +135,10 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     for name, _, _ in variants:
-        ttfts = [r["ttft_s"] for r in rows if r["variant"] == name]
-        print(f"{name}: TTFT {', '.join(f'{t:.2f}' for t in ttfts)} s (median {statistics.median(ttfts):.2f})")
+        mine = [r for r in rows if r["variant"] == name]
+        ttfts, tails = [r["ttft_s"] for r in mine], [r.get("p_transfer_s", float("nan")) for r in mine]
+        print(f"{name}: TTFT {', '.join(f'{t:.2f}' for t in ttfts)} s (median {statistics.median(ttfts):.2f}); "
+              f"prompt's end to D's ack {', '.join(f'{t:.3f}' for t in tails)} s")
     if args.out:
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump({"cpu": cpu_model(), "tokens": args.tokens, "rows": rows}, f, indent=1)

@@ -10,16 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from disagg_helpers import LAYOUT, Harness, with_cfg
+from disagg_helpers import BACKENDS, LAYOUT, Harness, with_cfg
 from kvrelay.core.kvlayout import KVLayout, PagePart, part_runs
 from kvrelay.disagg import wire
 from kvrelay.disagg.layerwise import LayerCursor
+from kvrelay.disagg.transfer import TRANSFER_BACKENDS
 from kvrelay.engine import core as engine_core
 from kvrelay.engine.kv_pool import kv_pool_for
 from kvrelay.engine.types import FinishReason
 from test_worker_cores import REAL, Pair, colocated, greedy, tokens
 
-WITHIN_PAGES = ["shm", "nixl"]   # the backends here that write byte spans within a page
+# the backends here that write byte spans within a page (the one-sided fake too)
+WITHIN_PAGES = [b for b in BACKENDS if TRANSFER_BACKENDS.get(b).writes_within_pages]
 
 
 @pytest.mark.parametrize("kv_dtype", ["", "int8"])
@@ -73,8 +75,7 @@ class Model:
 
     def slot_bytes(self, layer: int, first: int, last: int) -> np.ndarray:
         """Byte positions of tokens [first, last) of `layer` (K and V, every head; scales too)."""
-        H, S, D = (self.layout.num_kv_heads, self.layout.page_size,
-                      self.layout.head_dim)
+        H, S, D = self.layout.num_kv_heads, self.layout.page_size, self.layout.head_dim
         eb = self.layout.layer_bytes // (2 * H * S * D)
         out = []
         for t in range(first, last):
@@ -234,7 +235,7 @@ def test_layer_wise_transfer_gives_colocated_tokens(tiny_loaded, tiny_engine, ba
             assert [o.finish_reason for o in pouts] == [FinishReason.LENGTH], r.rid
             assert tokens(douts) == tokens(couts), r.rid
         pm = pair.P.core.manager
-        ahead = layerwise and backend in WITHIN_PAGES
+        ahead = layerwise and pm.writes_within_pages
         assert (pm.bytes_ahead > 0) == ahead
         assert pm.bytes_written >= sum(-(-len(r.prompt_ids) // 16) for r in reqs) * pm.layout.page_bytes
         pair.assert_idle()

@@ -24,6 +24,7 @@ MUTANTS = {
     "no_p_to_d_abort": "P's aborts and failures are not propagated to D",
     "router_ignores_dead_worker": "the router ignores a dead worker's open legs",
     "oom_after_kv_stranded": "SGLang #6857: a request out of pages on D after its KV arrived is stranded",
+    "aux_before_ahead": "layer-wise transfer: the aux goes before the writes made ahead have landed",
 }
 # Seeds 0..BUDGET-1. Measured: every mutant is caught within its first 40 seeds, and each
 # breaks 2% (the rarest: d_timeout_before_first_byte, quarantine_on_timer) to 20% of the

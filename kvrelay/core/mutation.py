@@ -26,6 +26,9 @@ on; the cost at a site is one set lookup.
     oom_after_kv_stranded         a request on D that lost its pages after its KV arrived
                                   (preempted) is never scheduled again and never failed
                                   (SGLang #6857)
+    aux_before_ahead              layer-wise transfer: P's last write (and the aux after it)
+                                  starts without waiting for the writes made ahead, so D may
+                                  decode before their bytes landed
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from typing import Iterator
 MUTANTS = frozenset({
     "poll_ignores_abort", "d_timeout_before_first_byte", "timeouts_only_after_batch",
     "reaper_stops_at_first_unexpired", "quarantine_on_timer", "no_p_to_d_abort",
-    "router_ignores_dead_worker", "oom_after_kv_stranded",
+    "router_ignores_dead_worker", "oom_after_kv_stranded", "aux_before_ahead",
 })
 
 ACTIVE: set[str] = set()

@@ -72,10 +72,11 @@ class Runner(ABC):
     - `prefill(chunks)` writes each chunk's tokens into the pool pages it names and returns
       float32 logits [B, vocab] of each chunk's last token.
     - `decode(last_tokens, positions, pages)` does the same for one token per sequence.
-    - `between_layers` is set by the engine (None for nothing). A runner whose
-      `CALLS_BETWEEN_LAYERS` is True calls it inside each `prefill` pass, after each layer,
-      so that one long pass can heartbeat and answer reads; `decode` never does (one decode
-      step is shorter than any lease).
+    - `between_layers` is set by the engine (None for nothing): a runner may call it inside
+      a `prefill` pass after a layer, with the number of layers done. A runner whose
+      `CALLS_BETWEEN_LAYERS` is True calls it after each layer as the pass's time goes by,
+      so that one long pass can heartbeat and answer reads (a worker may then take long
+      steps); `decode` never does (one decode step is shorter than any lease).
     """
     CALLS_BETWEEN_LAYERS = False
     between_layers: Callable[[int], None] | None = None   # gets the layers done so far

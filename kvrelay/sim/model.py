@@ -114,8 +114,10 @@ class HashModel:
 class HashRunner(Runner):
     """The engine's `Runner` over the chained-hash slots. `work` counts
     the token positions computed since the simulation last reset it (its cost model).
-    A step costs simulated time only after it returns, so nothing can run inside one: it
-    never calls `between_layers`."""
+    A step costs simulated time only after it returns, so what runs inside one runs at its
+    start: a prefill pass calls `between_layers` once, after its one layer (the layer-wise
+    transfer of what it computed), but no time passes in it, so no heartbeat leaves a long
+    pass on time: `CALLS_BETWEEN_LAYERS` stays False and workers keep short steps."""
     CALLS_BETWEEN_LAYERS = False
 
     def __init__(self, model: HashModel, kv) -> None:
@@ -147,7 +149,10 @@ class HashRunner(Runner):
         return logits_for(last, self.eos_ok)
 
     def prefill(self, chunks) -> torch.Tensor:
-        return self._logits([self._extend(c.tokens, c.start, c.pages) for c in chunks])
+        last = [self._extend(c.tokens, c.start, c.pages) for c in chunks]
+        if self.between_layers is not None:
+            self.between_layers(1)
+        return self._logits(last)
 
     def decode(self, last_tokens: list[int], positions: list[int], pages: list[list[int]]) -> torch.Tensor:
         return self._logits([self._extend([t], p, pg) for t, p, pg in zip(last_tokens, positions, pages)])

@@ -65,6 +65,7 @@ class CommonSender(_Endpoint, KVSender):
         self.epoch: int | None = None
         self.job: WriteJob | None = None        # the last write, with the aux after it
         self.ahead: list[WriteJob] = []          # writes made while the prompt computed
+        self._settled = 0                        # ahead[:_settled] are done and counted
         self.pending_aux: wire.Aux | None = None
         self.aux_sent = False
         self.stopped_sent = False
@@ -158,7 +159,7 @@ class CommonSender(_Endpoint, KVSender):
             if not self.stopped_sent and not pending:
                 self._send_stopped()
             return
-        for job in self.ahead:
+        for job in self.ahead[self._settled:]:
             if job.state is WriteState.PENDING:
                 self.m.progress_job(job)
             if job.state is WriteState.FAILED:
@@ -166,12 +167,14 @@ class CommonSender(_Endpoint, KVSender):
                 return
             if job.state is WriteState.DONE and not job.recorded:
                 self.m.record_write(job)
+        while self._settled < len(self.ahead) and self.ahead[self._settled].recorded:
+            self._settled += 1   # done and counted: never looked at again
         job = self.job
         if job is None or self.status is not S.TRANSFERRING:
             return
         if not job.begun:
-            if any(j.state is not WriteState.DONE for j in self.ahead):
-                return
+            if self._settled < len(self.ahead) and not mutation.on("aux_before_ahead"):
+                return   # a write ahead is still under way
             self.m.start_job(job)
         if job.state is WriteState.PENDING:
             self.m.progress_job(job)

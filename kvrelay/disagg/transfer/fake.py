@@ -7,7 +7,8 @@ tcp. A write completes on the `write_iters`-th progress() after it starts, so th
 phase is observable; its bytes move (and count in `bytes_sent`) only then.
 
 Knobs the simulation sets (the defaults keep the behaviour above):
-    chunk_pages     >0: the bytes move in pieces of this many pages, one piece per
+    chunk_pages     >0: the bytes move in pieces of this many pages (of a job's runs cut at
+                    destination page boundaries: a write ahead moves part of each), one piece per
                     progress() and at most one per `chunk_interval` seconds (a slow data
                     path): D sees a room's pages land a few at a time, as over tcp
     land_delay      one-sided: a piece, once posted, is in flight this many seconds before
@@ -41,6 +42,7 @@ class FakeKV(wire.Message):
 class FakeManager(CommonManager):
     name = "fake"
     one_sided = True
+    writes_within_pages = True   # it lands any byte runs (layer-wise transfer)
 
     def __init__(self, layout, transfer=None, *, network: InProcNetwork | None = None,
                  channel: InProcChannel | None = None, write_iters: int = 1, **kwargs) -> None:
@@ -92,11 +94,31 @@ class FakeManager(CommonManager):
         super().progress()
 
     def write_start(self, job: WriteJob) -> None:
-        job.handle = [self.write_iters, 0, float("-inf"), 0]  # calls to wait, next page, next piece at, in flight
+        # calls to wait, next unit, next piece at, pieces in flight, the units
+        job.handle = [self.write_iters, 0, float("-inf"), 0, self._units(job)]
+        if not job.handle[4]:
+            job.finish()   # nothing left to write (every byte went ahead)
+            return
         self.write_progress(job, first=True)
 
+    def _units(self, job: WriteJob) -> list[tuple[int, list[tuple[int, int, int]]]]:
+        """The job's runs cut at destination page boundaries and grouped by page, in run
+        order: (destination page, its (src, dst, length) pieces). A unit is what moves
+        as one "page" (chunk_pages counts units); a whole-page job has one per page."""
+        pb, units = self.layout.page_bytes, []
+        for s, d, n in job.runs:
+            while n > 0:
+                page = d // pb
+                take = min(n, (page + 1) * pb - d)
+                if not units or units[-1][0] != page:
+                    units.append((page, []))
+                units[-1][1].append((s, d, take))
+                s, d, n = s + take, d + take, n - take
+        return units
+
     def write_progress(self, job: WriteJob, first: bool = False) -> None:
-        h, n = job.handle, len(job.dst_pages)
+        h = job.handle
+        n = len(h[4])
         if not first:
             h[0] -= 1
         now = self.clock.now()
@@ -106,7 +128,7 @@ class FakeManager(CommonManager):
         if self.land_delay and self.one_sided:
             h[3] += 1
             self._flights().append((now + self.land_delay, self, job, h[1], end))
-            job.bytes_sent += (end - h[1]) * self.layout.page_bytes
+            job.bytes_sent += sum(k for _, pieces in h[4][h[1]:end] for _, _, k in pieces)
         elif not self._land_pages(job, h[1], end):
             return
         h[1], h[2] = end, now + self.chunk_interval
@@ -114,7 +136,7 @@ class FakeManager(CommonManager):
 
     def _maybe_done(self, job: WriteJob) -> None:
         h = job.handle
-        if h[1] == len(job.dst_pages) and h[3] == 0:
+        if h[1] == len(h[4]) and h[3] == 0:
             job.finish()
 
     def _land_due(self, flights: list) -> None:
@@ -130,25 +152,26 @@ class FakeManager(CommonManager):
         return job.handle is None or job.handle[3] == 0  # stopped once nothing of it is in flight
 
     def _land_pages(self, job: WriteJob, start: int, end: int, counted: bool = False) -> bool:
-        """Write pages [start, end) of the job into the peer's pool; False if it failed."""
-        dst_pages = job.dst_pages[start:end]
+        """Write units [start, end) of the job into the peer's pool; False if it failed."""
+        units = job.handle[4][start:end]
         dst = self._pools().get(job.peer.endpoint.get("pool", ""))
         if dst is None or self.pool is None:
             job.fail("peer pool is gone")
             return False
         if self.on_land is not None:
-            self.on_land(job.peer.endpoint["pool"], job.room, job.epoch, dst_pages)
-        pb = self.layout.page_bytes
-        for s, d in zip(job.src_pages[start:end], dst_pages):
-            dst[d * pb:(d + 1) * pb] = self.pool[s * pb:(s + 1) * pb]
-        if not counted:
-            job.bytes_sent += len(dst_pages) * pb
+            self.on_land(job.peer.endpoint["pool"], job.room, job.epoch, tuple(page for page, _ in units))
+        for _, pieces in units:
+            for s, d, k in pieces:
+                dst[d:d + k] = self.pool[s:s + k]
+                job.bytes_sent += 0 if counted else k
         return True
 
 
 class FakeTwoSidedManager(FakeManager):
+    """Whole pages only, as tcp: a unit is a page of `job.dst_pages`, sent as one frame."""
     name = "fake-twosided"
     one_sided = False
+    writes_within_pages = False
 
     def _land_pages(self, job: WriteJob, start: int, end: int, counted: bool = False) -> bool:
         assert self.pool is not None
