@@ -124,6 +124,17 @@ def worker_urls(url: str) -> list[str]:
     return [w["url"] for w in r.json()["workers"]] if r.status_code == 200 else []
 
 
+def transfer_bytes(url: str) -> tuple[float, float]:
+    """(KV bytes written ahead, all KV bytes written) by the workers behind router `url`:
+    what layer-wise transfer sent while prompts computed, out of everything sent."""
+    ahead = total = 0.0
+    for u in worker_urls(url):
+        s = metric_samples(u)
+        ahead += sum(gauge(s, "kvrelay_transfer_ahead_bytes_total"))
+        total += sum(gauge(s, "kvrelay_transfer_bytes_total"))
+    return ahead, total
+
+
 def assert_no_leak(url: str, timeout: float = 10.0) -> None:
     """On the server and every worker behind it: every phase gauge 0 and free pages ==
     pool pages (waiting briefly for aborts to land). A router has no pool to report."""

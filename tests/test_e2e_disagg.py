@@ -1,14 +1,14 @@
 """End to end on the real default model: `kvrelay serve` (the local cluster, as `make run`
 starts it) answers the official openai client, and its greedy output is token for token
 what `kvrelay serve --mode colocated` produces, on every transfer backend (10 prompts on
-shm, 5 each on tcp and nixl)."""
+shm, 5 each on tcp and nixl), with the KV written layer by layer where the backend can."""
 from __future__ import annotations
 
 import httpx
 import pytest
 from openai import OpenAI
 
-from serving_helpers import assert_no_leak, running_server
+from serving_helpers import assert_no_leak, running_server, transfer_bytes
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = [
@@ -70,11 +70,15 @@ def test_same_tokens_as_colocated(backend, prompts, colocated_tokens, request):
     if backend == "shm":
         url = request.getfixturevalue("local_cluster")
         got = greedy_outputs(url, prompts)
+        ahead, total = transfer_bytes(url)
         assert_no_leak(url)
     else:
         with running_server("--transfer-backend", backend, *SERVER_ARGS) as url:
             got = greedy_outputs(url, prompts)
+            ahead, total = transfer_bytes(url)
             assert_no_leak(url)
+    # layer-wise transfer (the default) where the backend writes within pages: shm, nixl
+    assert total > 0 and (ahead > 0) == (backend != "tcp"), (backend, ahead, total)
     assert len(got) == len(prompts)
     want = dict(zip(PROMPTS, colocated_tokens))
     for prompt, have in zip(prompts, got):

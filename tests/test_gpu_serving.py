@@ -10,7 +10,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from serving_helpers import assert_no_leak, running_server
+from serving_helpers import assert_no_leak, running_server, transfer_bytes
 from test_e2e_disagg import PROMPTS, greedy_outputs
 
 pytestmark = pytest.mark.gpu
@@ -43,6 +43,8 @@ def test_disaggregated_over_cuda_ipc_returns_colocated_tokens(colocated_cuda, gp
     expected = greedy_outputs(colocated_cuda, PROMPTS[:5])
     with running_server("--transfer-backend", "cuda_ipc", *gpu_args) as url:
         assert greedy_outputs(url, PROMPTS[:5]) == expected
+        ahead, total = transfer_bytes(url)
+        assert 0 < ahead <= total   # layer-wise transfer, on by default: a fenced read mid-pass
         assert_no_leak(url)
     assert_no_leak(colocated_cuda)
 
