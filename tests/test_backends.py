@@ -173,6 +173,13 @@ def test_tcp_drops_stale_and_foreign_frames():
         ]
         for hdr in frames:
             pair.p.channel.send(pair.d.address, hdr, [junk])
+        spans = [
+            (TcpKV(1, 7, 4, 2, PB - 8, 16), pattern(14, 32)),   # a span past its page's end
+            (TcpKV(1, 7, 4, 2, 0, 16), pattern(14, 24)),        # a frame shorter than its spans
+        ]
+        for hdr, data in spans:
+            pair.p.channel.send(pair.d.address, hdr, [data])
+        frames += [hdr for hdr, _ in spans]
         drain(pair)
         assert pair.d.dropped_frames == len(frames)
         assert checksum(pair.d_bytes(range(16))) == before

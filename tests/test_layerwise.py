@@ -60,6 +60,18 @@ def test_part_runs_refuse_parts_outside_the_pages_or_the_page():
     assert part_runs([PagePart(0, 2)], [4, 5], [7, 8], 64) == [(256, 448, 128)]
 
 
+def test_tcp_pieces_group_one_span_of_consecutive_pages_and_chunk_whole_pages():
+    from kvrelay.disagg.transfer.tcp import pieces
+    pb = 64
+    runs = part_runs([PagePart(0, 3, ((8, 4),)), PagePart(3, 2)], [10, 11, 20, 12, 13], [4, 5, 6, 8, 9], pb)
+    got = [(p.reads, p.first_page, p.num_pages, p.offset, p.length) for p in pieces(runs, pb, 1 << 20)]
+    assert got == [([(648, 4), (712, 4), (1288, 4)], 4, 3, 8, 4), ([(768, 128)], 8, 2, 0, 0)]
+    small = pieces(runs, pb, 64)   # the limit cuts both kinds, never below one page or one span
+    assert [p.num_pages for p in small] == [3, 1, 1] and [p.nbytes for p in small] == [12, 64, 64]
+    with pytest.raises(ValueError):
+        pieces([(0, 60, 8)], pb, 1 << 20)   # crosses a page boundary
+
+
 class Model:
     """P's pages and D's as byte arrays in a small layout: a pass over tokens [s, e)
     computes layer by layer; bytes of slots not computed yet hold garbage."""

@@ -258,6 +258,8 @@ DEST = {"room": 5, "epoch": 1, "dst_pages": [0, 1], "decode_id": "d", "incarnati
     (frame("Aux", {"room": 1, "epoch": 1, "first_token": 1, "logprob": "nan"}), "bad_field"),
     (frame("Aux", {"room": 1, "epoch": 1, "first_token": 1, "top_logprobs": [[1, -1.0, 3]]}), "bad_field"),
     (frame("TcpKV", {"room": 1, "epoch": 1, "first_page": 0, "num_pages": 0}), "bad_field"),
+    (frame("TcpKV", {"room": 1, "epoch": 1, "first_page": 0, "num_pages": 1, "span_offset": 64}), "bad_field"),
+    (frame("TcpKV", {"room": 1, "epoch": 1, "first_page": 0, "num_pages": 1, "span_length": -1}), "bad_field"),
     (b"[" * 100_000, "bad_json"),
 ])
 def test_decode_rejects_with_a_reason(data, reason):

@@ -169,8 +169,8 @@ class TransferConfig:
     transfer_port: int = _f(0, "port of the transfer endpoint (0: pick a free one; with `serve`, the "
                             "first worker's, the others take the next ports)")
     layerwise_transfer: bool = _f(True, "a prefill worker writes each layer's KV to the decode worker while the "
-                                  "prompt's later layers compute, where the backend writes within pages (shm, "
-                                  "nixl, cuda_ipc); off: the whole KV after the prompt")
+                                  "prompt's later layers compute (every backend but the fakes' two-sided one); "
+                                  "off: the whole KV after the prompt")
     fault_spec: str | None = _f(None, "fault injection spec, e.g. 'drop_ack=1.0;delay_ctrl=0.2' "
                                 "(also read from KVRELAY_FAULTS); needs --enable-fault-injection")
     enable_fault_injection: bool = _f(False, "allow --fault-spec, KVRELAY_FAULTS and POST /debug/faults (tests "

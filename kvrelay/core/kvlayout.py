@@ -130,7 +130,7 @@ class PagePart:
 def part_runs(parts, src_pages, dst_pages, page_bytes: int) -> list[tuple[int, int, int]]:
     """(src offset, dst offset, length) byte runs moving `parts` from `src_pages` to
     `dst_pages` (position i of one to position i of the other); whole pages coalesce as
-    in `paired_runs`. A part outside either list, or a span outside a page, raises."""
+    in `paired_runs`, spans come one span at a time over the part's pages. A part outside either list, or a span outside a page, raises."""
     runs: list[tuple[int, int, int]] = []
     for part in parts:
         end = part.first + part.count
@@ -143,7 +143,8 @@ def part_runs(parts, src_pages, dst_pages, page_bytes: int) -> list[tuple[int, i
             continue
         if any(off < 0 or n < 1 or off + n > page_bytes for off, n in part.spans):
             raise ValueError(f"byte spans {part.spans} outside a page of {page_bytes}")
-        runs += [(s * page_bytes + off, d * page_bytes + off, n) for s, d in zip(src, dst) for off, n in part.spans]
+        # span by span, so that one span of consecutive pages stays together (tcp sends it as one message)
+        runs += [(s * page_bytes + off, d * page_bytes + off, n) for off, n in part.spans for s, d in zip(src, dst)]
     return runs
 
 
