@@ -19,7 +19,7 @@ Invariants:
   room that ends before its prefill finished is aborted in the engine, which frees them.
 - Heartbeats leave from `step()` and, inside a prefill pass, between its layers
   (`between_layers`): both on the scheduler loop's thread, so a hung loop or pass stops beating.
-- Layer-wise transfer (`--layerwise-transfer`, on a backend that `writes_within_pages`):
+- Layer-wise transfer (`--layerwise-transfer`, where the backend `writes_within_pages`):
   between layers, the layers computed since the last call go to D (`send_ahead`) for each
   room in the pass; `prefill_done` sends the rest (`LayerCursor.finish`), and aux only
   after every byte. A room's cursor ends with the room.
