@@ -3,7 +3,6 @@ compute (`disagg.layerwise`, `KVSender.send_ahead`), and the send at the prompt'
 writes only the rest. What D holds at the end must be byte for byte what P computed."""
 from __future__ import annotations
 
-import asyncio
 import random
 
 import numpy as np
@@ -18,7 +17,7 @@ from kvrelay.disagg.transfer import TRANSFER_BACKENDS
 from kvrelay.engine import core as engine_core
 from kvrelay.engine.kv_pool import kv_pool_for
 from kvrelay.engine.types import FinishReason
-from test_worker_cores import REAL, Pair, colocated, greedy, tokens
+from test_worker_cores import REAL, Pair, both_ways, greedy, tokens
 
 # the backends here that write byte spans within a page (the one-sided fake too)
 WITHIN_PAGES = [b for b in BACKENDS if TRANSFER_BACKENDS.get(b).writes_within_pages]
@@ -232,17 +231,12 @@ def test_a_hung_write_ahead_holds_back_the_rest_and_aux_and_fails_within_the_lea
 def test_layer_wise_transfer_gives_colocated_tokens(tiny_loaded, tiny_engine, backend, layerwise, monkeypatch):
     """Every layer of every pass goes ahead (the between-layer period 0), prompts of one
     chunk and of several (the first budget is 256 tokens): D decodes colocated's tokens,
-    and only a backend that writes within pages wrote ahead."""
+    and every real backend wrote ahead unless told not to."""
     monkeypatch.setattr(engine_core, "MID_STEP_PERIOD", 0.0)
     reqs = [greedy(f"lw{i}", [(7 * i + j) % 200 + 3 for j in range(n)], n=6) for i, n in enumerate([5, 33, 300, 700])]
     pair = Pair(tiny_loaded, backend, layerwise=layerwise)
     try:
-        async def main():
-            got = await asyncio.gather(*[pair.run(r) for r in reqs])
-            want = [await colocated(tiny_engine, r) for r in reqs]
-            return got, want
-
-        got, want = asyncio.run(main())
+        got, want = both_ways(pair, tiny_engine, reqs)
         for r, (pouts, douts), couts in zip(reqs, got, want):
             assert [o.finish_reason for o in pouts] == [FinishReason.LENGTH], r.rid
             assert tokens(douts) == tokens(couts), r.rid

@@ -83,6 +83,17 @@ async def colocated(engine, greq: GenerateRequest):
     return [o async for o in engine.generate(greq)]
 
 
+def both_ways(pair: Pair, engine, reqs: list[GenerateRequest]):
+    """Each request disaggregated over `pair` (all at once) and colocated on `engine`:
+    ([(prefill outputs, decode outputs)], [colocated outputs])."""
+    async def main():
+        got = await asyncio.gather(*[pair.run(r) for r in reqs])
+        want = [await colocated(engine, r) for r in reqs]
+        return got, want
+
+    return asyncio.run(main())
+
+
 def test_same_tokens_as_colocated(pair, tiny_engine):
     """Greedy, seeded sampling and logprobs: disaggregated == colocated, batched."""
     reqs = [greedy(f"g{i}", range(3 + i, 20 + 7 * i), n=10 + i) for i in range(6)]
@@ -90,12 +101,7 @@ def test_same_tokens_as_colocated(pair, tiny_engine):
                                 SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)))
     reqs.append(greedy("lp", range(9, 30), n=6, logprobs=3))
 
-    async def main():
-        got = await asyncio.gather(*[pair.run(r) for r in reqs])
-        want = [await colocated(tiny_engine, r) for r in reqs]
-        return got, want
-
-    got, want = asyncio.run(main())
+    got, want = both_ways(pair, tiny_engine, reqs)
     for r, (pouts, douts), couts in zip(reqs, got, want):
         assert [o.finish_reason for o in pouts] == [FinishReason.LENGTH]
         assert douts[-1].finish_reason is FinishReason.LENGTH
