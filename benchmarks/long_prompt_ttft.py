@@ -82,8 +82,10 @@ def run_one(args, name: str, tree: str | None, flags: str, round_no: int) -> dic
     env = dict(os.environ)
     if tree:
         env["PYTHONPATH"] = tree
-    argv = [sys.executable, "-m", "kvrelay", "serve", "--port", str(args.port), "--worker-base-port",
-            str(args.port + 1), "--max-model-len", str(args.max_model_len), *shlex.split(flags)]
+    extra = shlex.split(flags)
+    workers = [] if "colocated" in extra else ["--worker-base-port", str(args.port + 1)]   # P on port + 1
+    argv = [sys.executable, "-m", "kvrelay", "serve", "--port", str(args.port), *workers,
+            "--max-model-len", str(args.max_model_len), *extra]
     log = open(os.path.join(args.out, f"server-{name}-{round_no}.log"), "w") if args.out else subprocess.DEVNULL
     # from the tree's directory: `python -m` puts the working directory first on sys.path
     proc = subprocess.Popen(argv, env=env, cwd=tree or None, stdout=log, stderr=subprocess.STDOUT,
