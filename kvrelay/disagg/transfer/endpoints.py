@@ -168,7 +168,9 @@ class CommonSender(_Endpoint, KVSender):
             if job.state is WriteState.DONE and not job.recorded:
                 self.m.record_write(job)
         while self._settled < len(self.ahead) and self.ahead[self._settled].recorded:
-            self._settled += 1   # done and counted: never looked at again
+            settled = self.ahead[self._settled]
+            settled.runs, settled.src_pages = [], ()   # done and counted: only its byte count is read again
+            self._settled += 1
         job = self.job
         if job is None or self.status is not S.TRANSFERRING:
             return
