@@ -44,13 +44,29 @@ def last_line(text: str) -> str:
 
 # ---------------------------------------------------------------- ports
 
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 @pytest.fixture
 def taken_port():
-    """A port some other process listens on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
+    """A port some other process listens on, with the port below it free when drawn (the
+    `serve-worker` case puts the prefill worker there; the suite's parallel servers hold
+    ports of their own, so the one below a random port is sometimes taken)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            port = s.getsockname()[1]
+            if _free(port - 1):
+                yield port
+                return
+    raise RuntimeError("no listening port with a free port below it in 50 draws")
 
 
 def test_a_port_in_use_fails_at_once_with_one_line_before_anything_loads(taken_port):
