@@ -83,7 +83,8 @@ def run_one(args, name: str, tree: str | None, flags: str, round_no: int) -> dic
     if tree:
         env["PYTHONPATH"] = tree
     extra = shlex.split(flags)
-    workers = [] if "colocated" in extra else ["--worker-base-port", str(args.port + 1)]   # P on port + 1
+    colocated = any(a == "--mode=colocated" or a == "colocated" and b == "--mode" for b, a in zip([""] + extra, extra))
+    workers = [] if colocated else ["--worker-base-port", str(args.port + 1)]   # P on port + 1
     argv = [sys.executable, "-m", "kvrelay", "serve", "--port", str(args.port), *workers,
             "--max-model-len", str(args.max_model_len), *extra]
     log = open(os.path.join(args.out, f"server-{name}-{round_no}.log"), "w") if args.out else subprocess.DEVNULL

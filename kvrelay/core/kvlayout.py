@@ -130,7 +130,8 @@ class PagePart:
 def part_runs(parts, src_pages, dst_pages, page_bytes: int) -> list[tuple[int, int, int]]:
     """(src offset, dst offset, length) byte runs moving `parts` from `src_pages` to
     `dst_pages` (position i of one to position i of the other); whole pages coalesce as
-    in `paired_runs`, spans come one span at a time over the part's pages. A part outside either list, or a span outside a page, raises."""
+    in `paired_runs`, spans come one span at a time over the part's pages. A part outside
+    either list, or a span outside a page, raises."""
     runs: list[tuple[int, int, int]] = []
     for part in parts:
         end = part.first + part.count

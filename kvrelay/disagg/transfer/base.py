@@ -205,8 +205,9 @@ class KVReceiver(ABC):
 
     def progress(self) -> int:
         """Pages of this room whose bytes (with layer-wise transfer: some of them) have
-        landed here so far: grows while a transfer moves, never shrinks. 0 where the receiver cannot see its bytes arrive (one-sided
-        backends: there P's write completing means every byte landed)."""
+        landed here so far: grows while a transfer moves, never shrinks. 0 where the
+        receiver cannot see its bytes arrive (one-sided backends: there P's write
+        completing means every byte landed)."""
         return 0
 
     failure_reason: str | None

@@ -45,8 +45,9 @@ class CausalLM(nn.Module):
       and V in the pool and attends (`engine.attention.base`); models never address the pool.
       It returns float32 logits [B, vocab] for the rows in `batch.logits_index`.
       `after_layer`, when given, is called once after each layer with the number of layers
-      done (1, 2, ...; their K/V is in the pool then), on the calling thread; what it does must not touch the pool pages of `batch` or the model
-      (the engine heartbeats its peers and answers read-only calls there).
+      done (1, 2, ...; their K/V is in the pool then), on the calling thread; what it
+      does must not touch the pool pages of `batch` or the model (the engine heartbeats
+      its peers, answers read-only calls and sends finished layers' KV there).
     - `load_weights(named)` takes (HF-style name, tensor) pairs, already un-permuted.
     - `prepare(fmt)` runs once after the weights are final (e.g. to pre-pack them for the
       CPU's matmul library, or to quantize them, as `fmt` says); weights must not change
