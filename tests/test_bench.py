@@ -2,6 +2,7 @@
 hand-made outcomes, and whole runs against the tiny engine's API on a real socket."""
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
@@ -16,6 +17,7 @@ from kvrelay.bench.client import Outcome, Target, body
 from kvrelay.bench.config import BenchConfig
 from kvrelay.bench.metrics import distribution, summarise
 from kvrelay.bench.report import compare_rows
+from kvrelay.bench.settle import busy_cores, cpu_times, settle
 from kvrelay.bench.workload import TOKEN_IDS, Turn, arrivals, build, load_dataset
 from kvrelay.cli import main as cli_main
 from kvrelay.server.openai_api import build_openai_app
@@ -113,12 +115,62 @@ def test_a_dataset_line_that_is_not_a_request_is_named(tmp_path):
     (dict(compare=("http://a",)), "--compare needs at least two servers"),
     (dict(url="http://a", compare=("http://a", "http://b")), "--url names the one server"),
     (dict(num_requests=0), "--num-requests must be at least 1"),
+    (dict(settle=-1.0), "--settle must be 0 or more"),
     (dict(burstiness=0.0), "--burstiness must be positive"),
     (dict(workload="multi-turn", dataset="x.jsonl"), "--dataset cannot drive --workload multi-turn"),
 ])
 def test_bad_flags_are_refused_before_anything_is_sent(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("+", r"\+")):
         BenchConfig(**kwargs)
+
+
+# ---- a quiet host before each run ---------------------------------------------------------
+STAT = "cpu  {user} 0 {system} {idle} {iowait} 0 0 0 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\nintr 12345\n"
+
+
+def _stat(user: int, idle: int) -> str:
+    return STAT.format(user=user, system=user // 2, idle=idle, iowait=idle // 10)
+
+
+def test_cpu_times_read_the_aggregate_line_and_busy_cores_follow_the_deltas():
+    assert cpu_times(_stat(100, 400)) == (100 + 50 + 400 + 40, 440)
+    # 2 cores; between the samples 150 jiffies busy of 300: one core's worth
+    before, after = cpu_times(_stat(100, 400)), cpu_times(_stat(200, 532))
+    assert busy_cores(before, after, 2) == pytest.approx(2 * 150 / 300, abs=0.02)
+    assert busy_cores((10, 5), (10, 5), 2) == 0.0   # no time passed: nothing to judge
+    with pytest.raises(ValueError, match="no aggregate cpu line"):
+        cpu_times("cpu0 1 2 3 4\n")
+    with open("/proc/stat") as f:   # the real file parses, its idle time within its total
+        total, idle = cpu_times(f.read())
+    assert 0 <= idle <= total
+
+
+def test_settle_waits_while_the_host_is_busy_and_stops_once_it_is_quiet(tmp_path):
+    path = tmp_path / "stat"
+    # A fake /proc/stat that a task rewrites every 20 ms: all busy, or busy until `quiet_after`.
+    ticks = {"user": 0, "idle": 0}
+
+    async def busy_host(seconds: float, quiet_after: float | None) -> float:
+        async def tick():
+            start = asyncio.get_running_loop().time()
+            while True:
+                quiet = quiet_after is not None and asyncio.get_running_loop().time() - start >= quiet_after
+                ticks["user"] += 0 if quiet else 100
+                ticks["idle"] += 100 if quiet else 0
+                path.write_text(_stat(ticks["user"], ticks["idle"]))
+                await asyncio.sleep(0.02)
+        path.write_text(_stat(ticks["user"], ticks["idle"]))
+        writer = asyncio.ensure_future(tick())
+        try:
+            return await settle(seconds, path=str(path), window=0.05)
+        finally:
+            writer.cancel()
+
+    assert asyncio.run(busy_host(0.5, None)) >= 0.5
+    quiet_after = asyncio.run(busy_host(30.0, 0.3))
+    assert 0.3 <= quiet_after < 30.0
+    assert asyncio.run(settle(0.0, path=str(path))) == 0.0                         # --settle 0: never waits
+    assert asyncio.run(settle(30.0, path=str(tmp_path / "missing"))) < 30.0   # no /proc/stat: no wait
 
 
 def test_compare_names_and_urls():
@@ -197,7 +249,7 @@ def url(tiny_engine):
 
 def _bench(tmp_path, *flags, timeout=300):
     """`kvrelay bench` as a process of its own (the command a user types)."""
-    return subprocess.run([sys.executable, "-m", "kvrelay", "bench", "--no-progress", *flags],
+    return subprocess.run([sys.executable, "-m", "kvrelay", "bench", "--no-progress", "--settle", "0", *flags],
                           capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
 
 
@@ -205,7 +257,7 @@ def _bench_here(capsys, *flags) -> subprocess.CompletedProcess:
     """The same command in this process (no second interpreter to start and import)."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:
-        cli_main(["bench", "--no-progress", *flags])
+        cli_main(["bench", "--no-progress", "--settle", "0", *flags])
     out = capsys.readouterr()
     return subprocess.CompletedProcess([], exit_.value.code, out.out, out.err)
 
@@ -236,6 +288,7 @@ def test_compare_runs_each_server_once_a_round_in_alternating_order(url, tmp_pat
     with pytest.raises(SystemExit) as exit_:
         cli_main(["bench", "--compare", f"one={url}", f"two={url}/", "--workload", "a", "--prompt-len", "8",
                   "--output-len", "3", "--rounds", "3", "--rate", "inf", "50", "--no-progress", "--warmup", "0",
+                  "--settle", "0",
                   "--result-dir", str(out)])
     assert exit_.value.code == 0
     result = json.loads((out / "result.json").read_text())
@@ -243,7 +296,7 @@ def test_compare_runs_each_server_once_a_round_in_alternating_order(url, tmp_pat
     assert order == [(0, "inf", "one"), (0, "inf", "two"), (0, 50.0, "one"), (0, 50.0, "two"),
                      (1, "inf", "two"), (1, "inf", "one"), (1, 50.0, "two"), (1, 50.0, "one"),
                      (2, "inf", "one"), (2, "inf", "two"), (2, 50.0, "one"), (2, 50.0, "two")]
-    assert all(r["summary"]["completed"] == 1 for r in result["runs"])
+    assert all(r["summary"]["completed"] == 1 and r["settled_s"] == 0 for r in result["runs"])
     rows = result["compare"]
     assert [(r["server"], r["rounds"]) for r in rows] == [("one", 3), ("two", 3), ("one", 3), ("two", 3)]
     assert "ratio to the first server" in capsys.readouterr().out

@@ -93,6 +93,9 @@ class BenchConfig:
     warmup: int = _f(1, "requests sent to each server before measuring: the first turns of the workload's first "
                      "N requests, all at once, at most 16 output tokens each (0: none); a server that compiles "
                      "per shape (vLLM) wants several")
+    settle: float = _f(5.0, "before each measured run, wait until the host's CPUs are quiet (under a quarter "
+                       "of a core busy), at most this many seconds: a server that keeps a core busy after "
+                       "its last answer (vLLM-CPU spins ~1 s) must not slow the next one (0: never wait)")
     progress: bool = _f(True, "show a progress bar")
 
     def __post_init__(self) -> None:
@@ -105,6 +108,7 @@ class BenchConfig:
         _require(self.rounds is None or self.rounds >= 1, "--rounds must be at least 1")
         _require(self.request_timeout > 0, "--request-timeout must be positive")
         _require(self.warmup >= 0, "--warmup must be 0 or more")
+        _require(self.settle >= 0, "--settle must be 0 or more")
         _require(not (self.compare and self.spawn is not None), "--compare and --spawn cannot be combined")
         _require(not (self.url and (self.compare or self.spawn is not None)),
                  "--url names the one server to benchmark: leave it out with --compare or --spawn")

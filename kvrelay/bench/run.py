@@ -2,7 +2,8 @@
 turn, round after round; then the tables, result.json and the plots.
 
 Rounds alternate the servers' order (A B C, then C B A, ...) so that a machine whose
-speed drifts during the run favours none of them.
+speed drifts during the run favours none of them, and each run waits for a quiet host
+first (`settle`), so that no server is billed for the one before it.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from kvrelay.bench import report
 from kvrelay.bench.client import Outcome, Target, send, served_model
 from kvrelay.bench.config import BenchConfig
 from kvrelay.bench.metrics import summarise
+from kvrelay.bench.settle import WINDOW, settle
 from kvrelay.bench.workload import WARMUP_ROUND, Item, Turn, as_text, build, load_tokenizer
 
 
@@ -113,6 +115,7 @@ async def bench(cfg: BenchConfig, servers: list[tuple[str, str]], console: Conso
             for rate in cfg.rates:
                 items = workloads[rnd, rate]
                 for (name, url), target in (order if rnd % 2 == 0 else order[::-1]):
+                    waited = await settle(cfg.settle)
                     with _progress(cfg, console) as bar:
                         task = bar.add_task(f"{name} rate {report.rate_label(rate)} round {rnd + 1}",
                                             total=sum(len(i.turns) for i in items))
@@ -120,7 +123,8 @@ async def bench(cfg: BenchConfig, servers: list[tuple[str, str]], console: Conso
                                                              lambda: bar.advance(task))
                     summary = summarise(outcomes, duration, cfg.slo_ttft, cfg.slo_tpot)
                     runs.append({"server": name, "url": url, "model": target.model, "rate": rate, "round": rnd,
-                                 "summary": summary, "requests": [_record(o) for o in outcomes]})
+                                 "settled_s": round(waited, 3), "summary": summary,
+                                 "requests": [_record(o) for o in outcomes]})
     return {"config": asdict(cfg), "machine": report.machine(), "servers": [n for n, _ in servers],
             "started": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": runs}
 
@@ -171,6 +175,10 @@ def main(cfg: BenchConfig) -> int:
                   f"seed {cfg.seed}; SLO: TTFT <= {cfg.slo_ttft:g} s, TPOT <= {cfg.slo_tpot * 1e3:g} ms; "
                   f"CPU: {m['cpu']} ({', '.join(m['isa']) or 'no AVX2'}), {m['cores']} cores")
     names = [n for n, _ in servers]
+    waits = [r["settled_s"] for r in result["runs"]]
+    if cfg.settle and max(waits) >= 2 * WINDOW:
+        console.print(f"waited for a quiet host before {sum(w >= 2 * WINDOW for w in waits)} of {len(waits)} runs, "
+                      f"{max(waits):.1f} s at most (--settle {cfg.settle:g})")
     result["compare"] = report.show(console, result["runs"], names)
     if cfg.result_dir:
         out = Path(cfg.result_dir)
