@@ -156,6 +156,20 @@ def new_failures(before: dict, after: dict) -> dict:
     return grew
 
 
+def failure_lines(c: NetnsCluster, n: int = 12) -> str:
+    """Each worker's last `n` log lines about a request that ended failed or aborted (its
+    reason and detail): what a failed assertion here shows, beside the counts."""
+    out = []
+    for p in c.workers:
+        try:
+            lines = [ln for ln in p.log.read_text(errors="replace").splitlines()
+                     if "request ended" in ln and ("phase=failed" in ln or "phase=aborted" in ln)]
+        except OSError:
+            lines = []
+        out.append(f"== {p.name}\n" + "\n".join(lines[-n:]))
+    return "\n".join(out)
+
+
 def reference(c: NetnsCluster, prompts: list[str], max_tokens: int) -> list[str]:
     """Texts of a fault-free run (greedy is deterministic)."""
     return [r["text"] for r in reference_run(c, prompts, max_tokens)]
@@ -169,7 +183,7 @@ def reference_run(c: NetnsCluster, prompts: list[str], max_tokens: int) -> list[
 
 def assert_same_tokens(c: NetnsCluster, res: list[dict], ref: list[str]) -> None:
     errors = [r["error"] for r in res if r["error"] is not None]
-    assert not errors, (errors, c.logs())
+    assert not errors, (errors, failure_lines(c), c.logs())
     assert all(r["answers"] == 1 and r["finish"] == "length" for r in res), res
     assert [r["text"] for r in res] == ref
 
@@ -232,7 +246,7 @@ def check_loss(cluster: NetnsCluster, delay_ms: float) -> None:
         res = run_batch(cluster.url, prompts, 12)
         assert_same_tokens(cluster, res, ref)
     cluster.net.heal()
-    assert new_failures(before, finished_by_reason(cluster)) == {}
+    assert new_failures(before, finished_by_reason(cluster)) == {}, failure_lines(cluster)
     cluster.assert_no_leak(timeout=30)
 
 
@@ -256,7 +270,7 @@ def check_slow_link(cluster: NetnsCluster) -> None:
     took = time.monotonic() - t0
     cluster.net.heal()
     assert_same_tokens(cluster, res, ref)
-    assert new_failures(before, finished_by_reason(cluster)) == {}
+    assert new_failures(before, finished_by_reason(cluster)) == {}, failure_lines(cluster)
     n, total = (a - b for a, b in zip(_transfer_seconds(cluster), transfer_before))
     kv_bytes = sum(r["prompt_tokens"] for r in ref_run) * KV_BYTES_PER_TOKEN // len(prompts)
     print(f"\n2 Mbit/s: {len(prompts)} requests, ~{kv_bytes // 1024} KiB KV each, "

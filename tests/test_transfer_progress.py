@@ -1,9 +1,10 @@
 """A transfer that makes progress is never failed; one that stalls fails within the lease.
 
-D's heartbeats report how many of P's pages have landed, in all and per waiting room
+D's heartbeats report how many of P's KV bytes have landed, in all and per waiting room
 (two-sided backends). P fails an unacknowledged room only after `heartbeat_misses`
-heartbeats in a row showing it waiting with no new page landed. Under the simulated clock, a `SlowLink` in front of D's data
-hook delivers the KV one page at a time, at a set rate, as a throttled link would.
+heartbeats in a row showing it waiting with no new byte landed. Under the simulated
+clock, a `SlowLink` in front of D's data hook delivers the KV one page (or one span of a
+page) at a time, at a set rate, as a throttled link would.
 A write still pending (aux not out) is judged the same way, its own bytes handed off
 counting as progress too, except on a backend whose pending writes are opaque (nixl)."""
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 from disagg_helpers import BACKENDS, CFG, DT, LAYOUT, Harness, pattern, with_cfg
 from kvrelay.disagg import wire
 from kvrelay.disagg.channel import Received
+from kvrelay.disagg.layerwise import LayerCursor
 from kvrelay.disagg.transfer import TRANSFER_BACKENDS, tcp
 from kvrelay.disagg.transfer.tcp import TcpKV
 
@@ -33,35 +35,49 @@ def backend(request):
 class SlowLink:
     """Holds the KV data messages D receives and hands them to the backend one page per
     `seconds_per_page` of simulated time; `stall()` stops the flow (bytes stuck in the
-    network), `resume()` restarts it."""
+    network), `resume()` restarts it. An Aux that arrives while data is held waits behind
+    it, as on one byte stream (tcp sends the aux after the data on the same socket)."""
 
     def __init__(self, H: Harness, seconds_per_page: float) -> None:
         self.H, self.rate = H, seconds_per_page
-        self.inner = H.dm.on_data
-        self.queue: list[Received] = []
+        self.inner, self.inner_room = H.dm.on_data, H.dm._dispatch_room
+        self.queue: list[tuple[object, Received]] = []   # (handler, message): data, or an aux behind it
         self.stalled = False
         self.next_at = 0.0
         self.last_landed_at: float | None = None
         self.delivered = 0
-        H.dm.on_data = self.hold
+        H.dm.on_data, H.dm._dispatch_room = self.hold, self.hold_room
+
+    def hold_room(self, received: Received) -> None:
+        if isinstance(received.msg, wire.Aux) and self.queue:
+            self.queue.append((self.inner_room, received))
+        else:
+            self.inner_room(received)
 
     def hold(self, received: Received) -> None:
-        msg, pb = received.msg, LAYOUT.page_bytes
+        msg = received.msg
         data = memoryview(received.frames[0])
         first = getattr(msg, "first_page", None)
+        span = (getattr(msg, "span_offset", 0), getattr(msg, "span_length", 0))   # tcp: a span of each page
+        n = span[1] or LAYOUT.page_bytes
         pages = range(first, first + msg.num_pages) if first is not None else msg.dst_pages
-        for i, p in enumerate(pages):  # one message per page, as a byte stream would arrive
-            piece = (type(msg)(msg.room, msg.epoch, p, 1) if first is not None
+        for i, p in enumerate(pages):  # one message per page (or span), as a byte stream would arrive
+            piece = (type(msg)(msg.room, msg.epoch, p, 1, *span) if first is not None
                      else type(msg)(msg.room, msg.epoch, (p,)))
-            self.queue.append(Received(received.src, piece, (bytes(data[i * pb:(i + 1) * pb]),)))
+            self.queue.append((self.inner, Received(received.src, piece, (bytes(data[i * n:(i + 1) * n]),))))
         self.next_at = max(self.next_at, self.H.clock.now())
 
     def pump(self) -> None:
         now = self.H.clock.now()
-        while self.queue and not self.stalled and now >= self.next_at:
-            self.inner(self.queue.pop(0))
-            self.delivered += 1
-            self.last_landed_at, self.next_at = now, self.next_at + self.rate
+        while self.queue and not self.stalled:
+            handler, received = self.queue[0]
+            if handler is self.inner and now < self.next_at:
+                break                   # an aux takes no time of its own
+            self.queue.pop(0)
+            handler(received)
+            if handler is self.inner:
+                self.delivered += 1
+                self.last_landed_at, self.next_at = now, self.next_at + self.rate
 
     def stall(self) -> None:
         self.stalled = True
@@ -93,6 +109,27 @@ class ProgressHarness(Harness):
 
 def ready(H: Harness, room: int) -> bool:
     return room in [r for r, _ in H.D.take_ready()] or H.phase("D", room) == "decode"
+
+
+def ends_done(H: Harness, room: int = 1) -> None:
+    """D finishes `room`: both sides end it `done` (no failure on the way), nothing leaked."""
+    H.D.finish(room)
+    H.settle()
+    assert {(ev.side, ev.phase) for _, ev in H.events} == {("prefill", "done"), ("decode", "done")}
+    H.assert_no_leak()
+
+
+def prefill_layer_wise(H: Harness, room: int, n: int) -> None:
+    """P computes `room` (n pages) and writes layer 0 of every page ahead, then the rest."""
+    H.to_phase(room, "P", "queued")
+    H.P.take_queued(1_000)
+    pages, pb = H.palloc.allocate(n, room), LAYOUT.page_bytes
+    for i, p in enumerate(pages):
+        H.ppool[p * pb:(p + 1) * pb] = pattern(room, n * pb)[i * pb:(i + 1) * pb]
+    tokens, cursor = n * LAYOUT.page_size, LayerCursor(LAYOUT)
+    H.P.send_ahead(room, pages, cursor.advance(0, tokens, 1))
+    H.P.prefill_done(room, pages, wire.Aux(0, 0, first_token=7, prompt_tokens=tokens),
+                     cursor.finish(tokens, LAYOUT.num_layers))
 
 
 def test_heartbeat_progress_round_trips_and_is_optional():
@@ -127,10 +164,7 @@ def test_a_transfer_that_keeps_landing_pages_survives_many_heartbeats(backend):
         assert took > 2.5 * LEASE and all(ev.phase == "done" for _, ev in H.events)   # no failure
         assert H.d_pages(dst) == pattern(1, 12 * LAYOUT.page_bytes)
         assert H.aux_sent == 1                                # moving: no resend was needed
-        H.D.finish(1)
-        H.settle()
-        assert {(ev.side, ev.phase) for _, ev in H.events} == {("prefill", "done"), ("decode", "done")}
-        H.assert_no_leak()
+        ends_done(H)
     finally:
         H.close()
 
@@ -157,6 +191,31 @@ def test_a_room_queued_behind_another_on_the_link_survives(backend):
         H.close()
 
 
+@pytest.mark.skipif("tcp" not in BACKENDS, reason="tcp backend not under test")
+def test_layer_wise_spans_landing_after_every_page_has_some_bytes_are_progress():
+    """Layer-wise over a slow link, one span per 0.5 s: layer 0 of all 8 pages goes
+    ahead and lands first, so every page has some bytes in after 4 s; layer 1's spans
+    then take another 4 s, over a lease, with the aux out. Each span is progress, so P
+    never fails the room; every byte arrives and the aux goes out once. (Counting pages
+    with some bytes in, P saw no progress once the last page's first span was in.)"""
+    H = ProgressHarness("tcp", seconds_per_page=0.5, num_pages=16)
+    try:
+        H.request(1, n_pages=8)
+        H.to_phase(1, "P", "queued")
+        dst = list(H.D.lc.rooms[1].data.pages)
+        prefill_layer_wise(H, 1, 8)
+        every_page_touched = lambda: len(H.D._receivers[1].landed) == 8   # noqa: E731
+        assert H.run_until(every_page_touched, 30)
+        touched_at = H.clock.now()
+        assert H.run_until(lambda: ready(H, 1), 30), (H.P.live(), H.D.live(), H.events)
+        assert H.clock.now() - touched_at > LEASE + CFG.heartbeat_interval   # long enough to have failed
+        assert all(ev.phase == "done" for _, ev in H.events) and H.aux_sent == 1, H.events
+        assert H.d_pages(dst) == pattern(1, 8 * LAYOUT.page_bytes)
+        ends_done(H)
+    finally:
+        H.close()
+
+
 def test_a_transfer_with_no_progress_for_the_lease_fails(backend):
     """The link stalls after 4 of 12 pages: P resends the aux on each heartbeat that shows
     no progress and fails the room with transfer_error after `heartbeat_misses` of them,
@@ -166,7 +225,7 @@ def test_a_transfer_with_no_progress_for_the_lease_fails(backend):
         H.request(1, n_pages=12)
         H.to_phase(1, "P", "queued")
         H.prefill(1)
-        assert H.run_until(lambda: H.D._receivers[1].progress() >= 4, 10)
+        assert H.run_until(lambda: H.D._receivers[1].progress() >= 4 * LAYOUT.page_bytes, 10)
         H.link.stall()
         stalled_at = H.link.last_landed_at
         assert H.run_until(lambda: H.event("P", 1) is not None, 30)
@@ -224,7 +283,7 @@ def test_progress_resets_the_count_and_a_resumed_link_completes(backend):
         H.to_phase(1, "P", "queued")
         H.prefill(1)
         for landed in (3, 7):
-            assert H.run_until(lambda: H.D._receivers[1].progress() >= landed, 10)
+            assert H.run_until(lambda: H.D._receivers[1].progress() >= landed * LAYOUT.page_bytes, 10)
             H.link.stall()
             H.step(int((LEASE - CFG.heartbeat_interval) / DT))
             H.link.resume()
@@ -264,10 +323,11 @@ def test_decode_reports_progress_only_for_waiting_rooms(backend):
         H.to_phase(1, "P", "queued")
         assert H.D._heartbeat_progress() == {}                # nothing landed yet
         H.prefill(1)
-        assert H.run_until(lambda: H.D._receivers[1].progress() >= 2, 10)
-        assert set(H.D._heartbeat_progress()) == {1} and H.D._heartbeat_progress()[1] >= 2
+        two = 2 * LAYOUT.page_bytes
+        assert H.run_until(lambda: H.D._receivers[1].progress() >= two, 10)
+        assert set(H.D._heartbeat_progress()) == {1} and H.D._heartbeat_progress()[1] >= two
         lease = H.P.leases.peers[H.dm.address]
-        assert H.run_until(lambda: lease.progress.get(1, 0) >= 2 and lease.landed >= 2, 5)   # P sees it
+        assert H.run_until(lambda: lease.progress.get(1, 0) >= two and lease.landed >= two, 5)   # P sees it
         assert H.run_until(lambda: ready(H, 1), 10)
         assert H.D._heartbeat_progress() == {}                # decoding: no longer reported
         H.D.finish(1)
@@ -393,6 +453,52 @@ def test_a_hung_opaque_write_is_bounded_by_the_transfer_timeout(backend):
         took, ev = hung_write_ends(H)
         assert (ev.phase, ev.reason) == ("failed", "timeout:transfer")
         assert 12.0 - DT <= took <= 12.0 + 2 * DT
+        H.assert_no_leak()
+    finally:
+        H.close()
+
+
+# ---- spans: a page is complete only with every byte; dropped bytes still move the link ----------
+@pytest.mark.parametrize("backend", TWO_SIDED)
+def test_a_lost_span_never_completes_its_page(backend):
+    """Layer 0 of every page goes ahead and is lost on the way (the channel may lose a
+    message); layer 1 and the aux arrive. Every page has some bytes in, but not all: D
+    must not take the room (its KV would be wrong), and P fails it within the lease."""
+    H = Harness(backend, SLOW_CFG)
+    inner = H.dm.on_data
+    H.dm.on_data = lambda rcv: None if rcv.msg.span_offset == 0 and rcv.msg.span_length else inner(rcv)
+    try:
+        H.request(1, n_pages=3)
+        prefill_layer_wise(H, 1, 3)
+        assert H.run_until(lambda: H.event("P", 1) is not None, 30), (H.P.live(), H.D.live())
+        assert H.event("P", 1)[1].reason == "transfer_error"
+        assert H.phase("D", 1) != "decode"
+        assert H.run_until(lambda: H.event("D", 1) is not None, 5)
+        assert not [r for r, _ in H.D.take_ready()]
+        H.assert_no_leak()
+    finally:
+        H.close()
+
+
+@pytest.mark.parametrize("backend", TWO_SIDED)
+def test_late_bytes_of_an_ended_room_count_as_link_movement_only(backend):
+    """A data frame for a room that has ended fails D's owner check and lands nowhere,
+    but it crossed the link: D's count of bytes arrived from P (Heartbeat.landed) grows,
+    so a room queued behind it on the link is not judged stalled; no room's progress moves."""
+    H = Harness(backend)
+    frames = []
+    inner = H.dm.on_data
+    H.dm.on_data = lambda rcv: (frames.append(rcv), inner(rcv))[1]
+    try:
+        H.request(1, n_pages=2)
+        H.complete(1, n_pages=2)
+        H.settle()
+        before = H.dm._landed_from.get(H.pm.address, 0)
+        assert frames and before >= 2 * LAYOUT.page_bytes
+        late = frames[0]
+        inner(late)                                   # the same bytes again, after the room ended
+        grew = H.dm._landed_from[H.pm.address] - before
+        assert grew == sum(len(memoryview(f)) for f in late.frames) > 0
         H.assert_no_leak()
     finally:
         H.close()

@@ -29,6 +29,10 @@ on; the cost at a site is one set lookup.
     aux_before_ahead              layer-wise transfer: P's last write (and the aux after it)
                                   starts without waiting for the writes made ahead, so D may
                                   decode before their bytes landed
+    progress_counts_pages         D's heartbeats count a room's progress in pages with some bytes
+                                  in, not bytes landed: once a layer-wise write has touched every
+                                  page, its later spans look like no progress and P cuts a
+                                  transfer that moves (kvrelay's own, found 2026-12-05)
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ from typing import Iterator
 MUTANTS = frozenset({
     "poll_ignores_abort", "d_timeout_before_first_byte", "timeouts_only_after_batch",
     "reaper_stops_at_first_unexpired", "quarantine_on_timer", "no_p_to_d_abort",
-    "router_ignores_dead_worker", "oom_after_kv_stranded", "aux_before_ahead",
+    "router_ignores_dead_worker", "oom_after_kv_stranded", "aux_before_ahead", "progress_counts_pages",
 })
 
 ACTIVE: set[str] = set()

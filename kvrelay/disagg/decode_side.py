@@ -16,7 +16,7 @@ Invariants:
   dead may be alive behind a partition or a pause with a write in flight. A quarantined
   room asks P again every heartbeat interval, so one lost message does not hold it.
 - The receiver is closed (its pages stop accepting bytes) before its pages are released.
-- Every heartbeat to P reports how many of P's KV pages have landed here, in all and per
+- Every heartbeat to P reports how many of P's KV bytes have landed here, in all and per
   waiting room (two-sided backends): P fails a transfer for lack of progress, never for
   being slow.
 """

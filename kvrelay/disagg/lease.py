@@ -9,9 +9,9 @@ Rules (lifecycle.md, "Deadlines that never kill a healthy slow request"):
 - A room fails when a heartbeat newer than the one that last listed it (or newer than the
   point where the peer must know it) no longer lists it: the peer forgot it.
 - Heartbeats older than the newest one seen (reordered, duplicated) are ignored entirely.
-- Progress, not age, bounds a moving transfer: D's heartbeats carry how many KV pages from
+- Progress, not age, bounds a moving transfer: D's heartbeats carry how many KV bytes from
   P have landed in all and per waiting room, and P fails a room in transfer only after
-  `heartbeat_misses` heartbeats in a row that show it waiting with no new page landed
+  `heartbeat_misses` heartbeats in a row that show it waiting with no new byte landed
   and, while P's write is still pending, no new byte handed off by P's backend
   (prefill_side; a backend with opaque pending writes leaves those to --transfer-timeout).
   Every message renews the lease, KV data frames included.
@@ -134,7 +134,7 @@ class Coordinator(ABC):
         return {}
 
     def _heartbeat_progress(self) -> dict[int, int]:
-        """{room: pages landed} to report for rooms still receiving KV (D side)."""
+        """{room: bytes landed} to report for rooms still receiving KV (D side)."""
         return {}
 
     def quarantined_pages(self) -> int:

@@ -11,9 +11,9 @@ Invariants:
   ack was lost) or on a terminal failure; the sender is aborted on every failure.
 - A room in `transfer` while D's heartbeats keep listing it as waiting fails
   (transfer_error) after `heartbeat_misses` such heartbeats in a row without progress.
-  Progress: D reports more of this worker's pages landed than at the previous heartbeat
-  (for any room: the link is FIFO, so a room queued behind others moves when they do)
-  while some of the room's pages are still missing, or, while the write is still
+  Progress: D reports more of this worker's KV bytes landed than at the previous
+  heartbeat (for any room: the link is FIFO, so a room queued behind others moves when
+  they do) while some of the room's bytes are still missing, or, while the write is still
   pending (aux not yet out), the backend handed off more of its bytes. A transfer that
   moves is never failed for its length (only the --transfer-timeout backstop bounds it);
   one that stalls, never starts, or whose pages are all in but whose aux or ack never
@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from kvrelay.core import mutation
 from kvrelay.core.clock import Clock
 from kvrelay.core.config import LifecycleConfig
 from kvrelay.core.kvlayout import PagePart
@@ -45,7 +46,7 @@ S = TransferStatus
 @dataclass
 class PrefillRoom:
     """P's own state of a room in transfer, judged at each heartbeat of its D."""
-    link_landed: int = 0     # pages from this worker D had reported landed, at the last look
+    link_landed: int = 0     # bytes from this worker D had reported landed, at the last look
     sent_at_read: int = -1   # `heartbeat_reads` when the write was handed off
     bytes_sent: int = 0      # bytes the backend had handed off, at the last look
     stalled: int = 0         # heartbeats in a row that showed the transfer not moving
@@ -161,19 +162,20 @@ class PrefillSide(Coordinator):
 
     def _unacked(self, r: Room, lease: PeerLease) -> None:
         """D is alive and still waiting although every byte and the aux went out. While
-        pages of the room are missing and D reports new pages landed, the bytes are on
-        their way: wait. Otherwise resend the aux (it may have been lost; once every page
+        bytes of the room are missing and D reports new bytes landed, the bytes are on
+        their way: wait. Otherwise resend the aux (it may have been lost; once every byte
         is in, only the aux or the ack is missing), and give up after `heartbeat_misses`
         heartbeats in a row without progress. This bounds a stalled transfer by the
         lease, not by --transfer-timeout, and never fails one that moves."""
-        dest = self._senders[r.room].dest
-        landed = lease.progress.get(r.room, 0)
-        missing = landed < len(dest.dst_pages if dest else ())
+        landed, snd = lease.progress.get(r.room, 0), self._senders[r.room]
+        missing = landed < snd.bytes_sent   # aux out: every byte was handed off
+        if mutation.on("progress_counts_pages"):
+            missing = landed < len(snd.dest.dst_pages if snd.dest else ())
         moved = self._link_moved(r, lease)
         n = self._stalls(r, missing and moved)
         if n > self.cfg.heartbeat_misses:
             self._fail(r, Reason.TRANSFER_ERROR.value,
-                       f"decode side reported no KV progress ({landed} pages landed) and no ack "
+                       f"decode side reported no KV progress ({landed} bytes landed) and no ack "
                        f"in {n} heartbeats")
         elif n:
             self._senders[r.room].resend()
@@ -181,7 +183,7 @@ class PrefillSide(Coordinator):
     def _write_pending(self, r: Room, lease: PeerLease) -> None:
         """D is alive and waiting while this worker's write of the room is still pending
         (a full socket, a slow link, or a write that never started). It moves while D
-        reports new pages landed or the backend hands off more of its bytes; after
+        reports new bytes landed or the backend hands off more of its bytes; after
         `heartbeat_misses` heartbeats in a row with neither, it fails: a write that never
         completes is bounded by the lease, not by --transfer-timeout."""
         sent = self._senders[r.room].bytes_sent
@@ -195,7 +197,7 @@ class PrefillSide(Coordinator):
 
     @staticmethod
     def _link_moved(r: Room, lease: PeerLease) -> bool:
-        """D reports more of this worker's pages landed than at the previous heartbeat."""
+        """D reports more of this worker's KV bytes landed than at the previous heartbeat."""
         moved = lease.landed > r.data.link_landed
         r.data.link_landed = lease.landed
         return moved

@@ -293,10 +293,10 @@ class Destination(Message):
 class Heartbeat(Message):
     """Both ways, from the scheduler loop. `rooms` maps every room the sender holds (and
     recently finished ones) to its phase name. `seq` grows by one per heartbeat sent.
-    D -> P, two-sided backends: `landed` counts the KV pages from the recipient that have
-    landed at the sender since it started (it grows while the link moves, whichever room
-    the bytes are for), and `progress` maps a waiting room to how many of its own pages
-    have landed. A sender that predates these fields (or a one-sided backend) sends
+    D -> P, two-sided backends: `landed` counts the KV bytes from the recipient that have
+    arrived at the sender since it started (it grows while the link moves, whichever room
+    the bytes are for, late bytes of an ended room too), and `progress` maps a waiting
+    room to how many of its own bytes have landed. A sender that predates these fields (or a one-sided backend) sends
     neither: no progress information."""
     worker_id: Name
     incarnation: Name

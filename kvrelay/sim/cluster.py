@@ -118,6 +118,7 @@ class SimWorker:
         self.core.engine.scheduler.costs = ModelledCosts()
         m = self.core.manager
         m.write_iters, m.chunk_pages, m.chunk_interval = sim.write_iters, sim.chunk_pages, sim.chunk_interval
+        m.frame_pages = 1 if sim.link_rate else 0
         m.land_delay = sim.land_delay
         self.state = "up"
         self.incarnations += 1

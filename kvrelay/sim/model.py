@@ -115,7 +115,7 @@ class HashRunner(Runner):
     """The engine's `Runner` over the chained-hash slots. `work` counts
     the token positions computed since the simulation last reset it (its cost model).
     A step costs simulated time only after it returns, so what runs inside one runs at its
-    start: a prefill pass calls `between_layers` once, after its one layer (the layer-wise
+    start: a prefill pass calls `between_layers` once, after layer 0 (the layer-wise
     transfer of what it computed), but no time passes in it, so no heartbeat leaves a long
     pass on time: `CALLS_BETWEEN_LAYERS` stays False and workers keep short steps."""
     CALLS_BETWEEN_LAYERS = False
@@ -159,9 +159,11 @@ class HashRunner(Runner):
 
 
 def sim_loaded(eos_ok: bool = True, max_model_len: int = 512) -> LoadedModel:
-    """A LoadedModel whose engine runs `HashRunner`. One layer, one KV head of 2 floats:
-    a slot is exactly one token's K (8 bytes)."""
-    arch = ArchConfig("SimHashLM", vocab_size=VOCAB, hidden_size=8, intermediate_size=8, num_layers=1,
+    """A LoadedModel whose engine runs `HashRunner`. One KV head of 2 floats: a slot is
+    exactly one token's layer-0 K (8 bytes). Two layers, so that a layer-wise transfer
+    moves each page in two spans (layer 0 ahead, layer 1 at the prompt's end), as a real
+    model's does; layer 1 holds no slot, only bytes that travel."""
+    arch = ArchConfig("SimHashLM", vocab_size=VOCAB, hidden_size=8, intermediate_size=8, num_layers=2,
                       num_heads=1, num_kv_heads=1, head_dim=2, max_position_embeddings=max_model_len)
     return LoadedModel(model=HashModel(eos_ok), arch=arch, tokenizer=SimTokenizer(), eos_token_ids=(EOS,),
                        chat_template=None, name="sim-hash", dtype="float32", max_model_len=max_model_len,

@@ -11,6 +11,9 @@ how often each frame arrives, per link (src -> dst), from the seeded RNG it is g
     dup         a frame arrives twice with probability p
     reorder     a frame may overtake the ones sent before it
     partition   nothing crosses the link (both ways) until healed
+    rate        the link carries data frames (KV bytes) at this many bytes a second, in
+                order: a frame leaves only after the ones before it, and control messages
+                queue behind them, as on one slow TCP connection (control bytes are free)
 
 A channel that is closed (its worker crashed) receives nothing; frames in flight to its
 address are lost, and a new incarnation bound at the same address does not get them.
@@ -33,6 +36,7 @@ class LinkFaults:
     reorder: float = 0.0
     extra_delay: float = 0.0     # seconds added to every frame's latency
     down: bool = False           # partitioned
+    rate: float = 0.0            # data bytes a second (0: no limit)
 
 
 @dataclass(order=True)
@@ -71,7 +75,7 @@ class SimNetwork:
     def partition(self, a: str, b: str, down: bool) -> None:
         self.link(a, b).down = self.link(b, a).down = down
 
-    def deliver(self, src: str, dst: str, parts: list) -> bool:
+    def deliver(self, src: str, dst: str, parts: list, data_bytes: int = 0) -> bool:
         target = self.channels.get(dst)
         if target is None:
             return False      # nobody bound there: like a connection refused, the frame is lost
@@ -85,7 +89,10 @@ class SimNetwork:
             at = self.clock.now() + self.base_latency + self.rng.random() * self.jitter
             if faults is not None:
                 at += faults.extra_delay
-            if faults is None or not (faults.reorder and self.rng.random() < faults.reorder):
+            if faults is not None and faults.rate:
+                at = max(at, self._last.get((src, dst), 0.0)) + data_bytes / faults.rate
+                self._last[(src, dst)] = at
+            elif faults is None or not (faults.reorder and self.rng.random() < faults.reorder):
                 at = max(at, self._last.get((src, dst), 0.0))
                 self._last[(src, dst)] = at
             self._seq += 1
@@ -118,7 +125,8 @@ class SimChannel(Channel):
     def send(self, dst: str, msg: wire.Message, frames: Sequence[Frame] = ()) -> bool:
         if self.closed:
             return False
-        return self.network.deliver(self.address, dst, [bytes(p) for p in self._parts(dst, msg, frames)])
+        return self.network.deliver(self.address, dst, [bytes(p) for p in self._parts(dst, msg, frames)],
+                                    sum(len(memoryview(f)) for f in frames))
 
     def recv(self, max_n: int = 10_000) -> list[Received]:
         if self.closed:

@@ -14,6 +14,11 @@ Invariants (docs/lifecycle.md names them; `Violation.invariant` is the name):
     termination      after every iteration of a worker, no live room has outlived the bound
                      lifecycle.md's phase tables give its phase (the configured timeout,
                      not the room's own deadline field: a phase left without one counts)
+    not-cut          in a run with no process or network fault (client aborts and
+                     disconnects only), no room ends peer_failed or transfer_error on a
+                     judgment of its own (a lease, a transfer's progress), as opposed to
+                     its peer telling it that its copy ended: a slow transfer that moves
+                     is never cut, however long it takes
     peer-end         a room that one side ends early (failed, aborted) while its peer still
                      depends on it ends on the peer in the peer's first iteration after the
                      notice can have arrived, when the link was clean as it was sent
@@ -34,9 +39,10 @@ samples every choice's first token, D the rest), and every running choice's page
 shared prompt pages, its own copy of the last one) must hold its own KV.
 
 Beyond the first cut, each seed also draws (from a stream of its own, so that requests
-and faults stay what they were): KV written in pieces over a slow data path, one-sided
-writes in flight for a while, router->worker request latency, and shorter phase
-deadlines, so that a deadline rather than a lease is what must end a room.
+and faults stay what they were): KV written in pieces over a slow data path, P->D links
+slower than the lease (the bytes queue on the link, as over tcp), one-sided writes in
+flight for a while, router->worker request latency, and shorter phase deadlines, so that
+a deadline rather than a lease is what must end a room.
 """
 from __future__ import annotations
 
@@ -187,6 +193,13 @@ class Sim:
         if rng.random() < 0.3:
             self.lifecycle = replace(self.lifecycle, waiting_timeout=rng.choice([1.5, 3.0]),
                                      transfer_timeout=rng.choice([1.5, 3.0, 6.0]))
+        # Drawn last, so the draws above stay what they were: P->D links slower than the
+        # lease (a 10-page room takes 2.5-5 s to land); P hands its writes off at once, so
+        # the bytes wait on the link, as over tcp, not in P's write, and only D's reports
+        # of bytes landed show the transfer moving.
+        self.link_rate = rng.choice([256.0, 512.0]) if rng.random() < 0.3 else 0.0
+        if self.link_rate:
+            self.chunk_pages, self.chunk_interval = 0, 0.0
         lc = self.lifecycle
         self.bounds = {      # lifecycle.md's phase tables: what bounds each phase
             "prefill": {PPhase.BOOTSTRAP: lc.bootstrap_timeout, PPhase.QUEUED: lc.queue_timeout,
@@ -241,6 +254,9 @@ class Sim:
         for w in self.workers:
             w.start()
             self._watch(w)
+        for p in (w for w in self.workers if w.role == "prefill" and self.link_rate):
+            for d in (w for w in self.workers if w.role == "decode"):
+                self.net.link(p.address, d.address).rate = self.link_rate
         self.router = SimRouter(self.router_cfg, self.workers, self.loaded.tokenizer, self.clock, self.http_latency)
         await self.router.start()
         self.t0 = self.clock.now()
@@ -269,6 +285,7 @@ class Sim:
         lc, inner = core.side.lc, core.side.lc.on_terminal
 
         def on_terminal(ev) -> None:
+            self._not_cut(w, ev)
             self._ended(w, ev)
             if inner is not None:
                 inner(ev)
@@ -415,6 +432,17 @@ class Sim:
         if bad:
             self.fail(Violation("no-late-write", f"bytes of room {room} epoch {epoch} land in {w.name}'s pages "
                                                  f"owned by others now (page, owner): {bad[:4]}"))
+
+    def _not_cut(self, w: SimWorker, ev) -> None:
+        """not-cut: with no fault but the clients' own, nothing may end for a lease reason.
+        A room its peer ended (a deadline there) ends peer_failed here with the peer's word
+        in the detail (its notice, or its phase in a heartbeat): that is not a cut."""
+        told = ev.detail.startswith(("prefill: ", "decode: ")) or (
+            ev.detail.startswith(("prefill side is ", "decode side is ")) and "before" not in ev.detail)
+        if ev.reason in ("peer_failed", "transfer_error") and not told and \
+                all(f.kind in ("abort", "disconnect") for f in self.schedule):
+            self.fail(Violation("not-cut", f"{w.name}: room {ev.room} ({ev.rid}) ended {ev.reason} "
+                                           f"from {ev.from_phase} in a run with no fault: {ev.detail}"))
 
     def _ended(self, w: SimWorker, ev) -> None:
         """peer-end, when a room ends early on one side: the peer is told (a Notice), so over

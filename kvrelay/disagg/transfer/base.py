@@ -204,10 +204,10 @@ class KVReceiver(ABC):
         later byte for (room, epoch) is dropped."""
 
     def progress(self) -> int:
-        """Pages of this room whose bytes (with layer-wise transfer: some of them) have
-        landed here so far: grows while a transfer moves, never shrinks. 0 where the
-        receiver cannot see its bytes arrive (one-sided backends: there P's write
-        completing means every byte landed)."""
+        """Bytes of this room that have landed here so far: grows with every data frame
+        accepted (a whole page or, layer-wise, one span of a page), never shrinks. 0
+        where the receiver cannot see its bytes arrive (one-sided backends: there P's
+        write completing means every byte landed)."""
         return 0
 
     failure_reason: str | None
@@ -276,7 +276,7 @@ class TransferManager(ABC):
     def heartbeat(self, dst: str, rooms: dict[int, str], progress: dict[int, int] | None = None) -> None:
         """Send a Heartbeat listing `rooms` ({room: phase}) and, from D, `progress`
         ({waiting room: KVReceiver.progress()}) to `dst`; a two-sided backend adds how many
-        pages from `dst` have landed here in all (wire.Heartbeat.landed)."""
+        KV bytes from `dst` have landed here in all (wire.Heartbeat.landed)."""
 
     @abstractmethod
     def take_heartbeats(self) -> list[tuple[str, wire.Heartbeat]]:
@@ -322,7 +322,9 @@ class DataPath(ABC):
     D side, two-sided backends:
       `on_data(received)` gets every message kind the manager does not know (the backend's
       KV frames). It copies bytes into `self.pool` ONLY IF `self.owner_ok(room, epoch,
-      dst_pages)`, then calls `self.mark_landed(room, epoch, dst_pages)`.
+      dst_pages)`, then calls `self.mark_landed(room, epoch, dst_pages, offset, length)`
+      with the span of each page it copied (length 0: whole pages); a frame that fails
+      the check goes to `self.mark_dropped(src, nbytes)` (the link still moved).
     Both sides: `place_pool`, `register_kv`, `endpoint`, `connect`, `disconnect`, `close_backend` and
     `max_data_frame` (the largest raw data frame it sends: the channel's per-frame size
     limit is sized from it), each with the default below.

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 
-from kvrelay.core import ids
+from kvrelay.core import ids, mutation
 from kvrelay.core.clock import Clock, MonotonicClock
 from kvrelay.core.config import LifecycleConfig, TransferConfig
 from kvrelay.core.kvlayout import KVLayout
@@ -83,7 +83,7 @@ class CommonManager(DataPath, TransferManager):
         self._heartbeats: list[tuple[str, wire.Heartbeat]] = []
         self._await_peer: dict[str, list[Received]] = {}   # Destinations from a peer not yet learned
         self._heard: dict[str, float] = {}                # peer address -> last message time
-        self._landed_from: dict[str, int] = {}            # D: peer address -> KV pages landed from it
+        self._landed_from: dict[str, int] = {}            # D: peer address -> KV bytes arrived from it
         self.bytes_written = 0       # P: KV bytes of completed writes
         self.bytes_ahead = 0         # P: of which written ahead (layer-wise, send_ahead)
         self.write_seconds = 0.0     # P: their summed durations (start to every byte landed)
@@ -97,15 +97,40 @@ class CommonManager(DataPath, TransferManager):
             return False
         return all(self._owner.get(p) == (room, epoch) for p in dst_pages)
 
-    def mark_landed(self, room: int, epoch: int, dst_pages) -> None:
+    def mark_landed(self, room: int, epoch: int, dst_pages, offset: int = 0, length: int = 0) -> None:
+        """Bytes [offset, offset + length) of each of `dst_pages` (length 0: the whole page)
+        of (room, epoch) landed (after `owner_ok`). A page is complete once distinct spans
+        covering exactly its bytes are in, so a lost or duplicated span (the channel may do
+        both) never completes it. Progress counts those spans' bytes, not pages: with
+        layer-wise transfer a page's later spans land long after its first one, and they
+        move the transfer just the same."""
         rcv = self._receivers.get(room)
         if rcv is not None and rcv.epoch == epoch:
-            before = len(rcv.landed)
-            rcv.landed.update(p for p in dst_pages if p in rcv.pages)
+            pb, nbytes, before = self.layout.page_bytes, 0, len(rcv.landed)
+            span = (offset, length or pb)
+            for p in dst_pages:
+                spans = rcv.spans.setdefault(p, set()) if p in rcv.pages else None
+                if spans is None or span in spans:
+                    continue
+                spans.add(span)
+                rcv.landed.add(p)
+                nbytes += span[1]
+                if sum(n for _, n in spans) == pb:
+                    rcv.whole.add(p)
+            if mutation.on("progress_counts_pages"):   # pages touched, not bytes: see core.mutation
+                nbytes = len(rcv.landed) - before
+            rcv.landed_bytes += nbytes
             if rcv.peer_address is not None:
-                self._landed_from[rcv.peer_address] = (self._landed_from.get(rcv.peer_address, 0)
-                                                       + len(rcv.landed) - before)
+                self._landed_from[rcv.peer_address] = self._landed_from.get(rcv.peer_address, 0) + nbytes
             rcv._maybe_done()
+
+    def mark_dropped(self, src: str, nbytes: int) -> None:
+        """A data frame of `nbytes` from peer `src` failed the owner check (late bytes of a
+        room that ended): they land nowhere, but they crossed the link, so they count in
+        the link's movement (Heartbeat.landed), not in any room's progress. A room queued
+        behind a dead room's bytes is not cut while those drain."""
+        if src in self._peers:
+            self._landed_from[src] = self._landed_from.get(src, 0) + nbytes
 
     def seal_blob(self, dst: str, msg: wire.Message) -> bytes:
         """`msg` for `dst` as one byte string, sealed like a channel message: for a

@@ -235,7 +235,10 @@ class CommonReceiver(_Endpoint, KVReceiver):
         self.peer_address: str | None = None
         self.pages: tuple[int, ...] = ()
         self.epoch: int | None = None
-        self.landed: set[int] = set()
+        self.landed: set[int] = set()   # pages with some bytes in
+        self.spans: dict[int, set[tuple[int, int]]] = {}   # page -> distinct (offset, length) landed
+        self.whole: set[int] = set()    # pages whose every byte landed (completeness, two-sided)
+        self.landed_bytes = 0           # bytes of distinct spans that landed (progress)
         self._aux: wire.Aux | None = None
         self.stopped = False
         self.dest: wire.Destination | None = None
@@ -280,7 +283,7 @@ class CommonReceiver(_Endpoint, KVReceiver):
             self._maybe_done()
 
     def _maybe_done(self) -> None:
-        complete = self.m.one_sided or len(self.landed) == len(self.pages)
+        complete = self.m.one_sided or len(self.whole) == len(self.pages)
         if self.status is S.TRANSFERRING and self._aux is not None and complete:
             self.status = S.SUCCESS
             self.m.send_ack(self.peer_address, wire.Ack(self.room, self._aux.epoch))
@@ -297,7 +300,7 @@ class CommonReceiver(_Endpoint, KVReceiver):
         return self._aux if self.status is S.SUCCESS else None
 
     def progress(self) -> int:
-        return len(self.landed)
+        return self.landed_bytes
 
     def abort(self, reason: str, detail: str = "") -> None:
         if mutation.on("poll_ignores_abort"):  # the seeds' bug: poll() ignores the abort flag

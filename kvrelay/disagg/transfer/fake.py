@@ -11,6 +11,8 @@ Knobs the simulation sets (the defaults keep the behaviour above):
                     destination page boundaries: a write ahead moves part of each), one piece per
                     progress() and at most one per `chunk_interval` seconds (a slow data
                     path): D sees a room's pages land a few at a time, as over tcp
+    frame_pages     two-sided: >0: at most this many whole pages in one data frame (tcp cuts
+                    its frames too, so that one crosses a slow link well within a lease)
     land_delay      one-sided: a piece, once posted, is in flight this many seconds before
                     it lands (an RDMA write on a busy fabric); a failed write confirms it
                     stopped (`write_cancel`) only once nothing of it is in flight
@@ -33,10 +35,13 @@ from kvrelay.disagg.transfer.common import CommonManager
 @dataclass(frozen=True)
 class FakeKV(wire.Message):
     """P -> D data header of the two-sided fake: one raw frame follows, the concatenated
-    bytes of `dst_pages` in order."""
+    bytes of `dst_pages` in order, whole pages, or (`span_length` > 0) the span
+    [span_offset, span_offset + span_length) of each."""
     room: wire.Room
     epoch: wire.Epoch
     dst_pages: wire.PageIds
+    span_offset: wire.Count = 0
+    span_length: wire.Count = 0
 
 
 class FakeManager(CommonManager):
@@ -52,6 +57,7 @@ class FakeManager(CommonManager):
         self.write_iters = write_iters
         self.chunk_pages = 0          # 0: every page of a job moves at once
         self.chunk_interval = 0.0     # seconds between two pieces of one job
+        self.frame_pages = 0          # two-sided: whole pages per data frame (0: a piece's all)
         self.land_delay = 0.0         # one-sided: seconds a posted piece is in flight
         self.on_land: Callable[[str, int, int, tuple[int, ...]], None] | None = None
         super().__init__(layout, transfer, channel=channel, **kwargs)
@@ -168,32 +174,43 @@ class FakeManager(CommonManager):
 
 
 class FakeTwoSidedManager(FakeManager):
-    """Whole pages only, as tcp: a unit is a page of `job.dst_pages`, sent as one frame."""
+    """As tcp: units of whole pages go as one frame; a unit that is part of a page (a
+    layer-wise write) goes as one frame per span, so D sees a page land in pieces."""
     name = "fake-twosided"
     one_sided = False
-    writes_within_pages = False
+    writes_within_pages = True
 
     def _land_pages(self, job: WriteJob, start: int, end: int, counted: bool = False) -> bool:
         assert self.pool is not None
-        pb = self.layout.page_bytes
-        data = b"".join(bytes(self.pool[p * pb:(p + 1) * pb]) for p in job.src_pages[start:end])
-        if self.channel.send(job.peer.address, FakeKV(job.room, job.epoch, job.dst_pages[start:end]), [data]):
+        pb, units = self.layout.page_bytes, job.handle[4][start:end]
+        if all(len(pieces) == 1 and pieces[0][2] == pb for _, pieces in units):
+            step = self.frame_pages or len(units)
+            msgs = [(FakeKV(job.room, job.epoch, tuple(page for page, _ in units[i:i + step])),
+                     b"".join(bytes(self.pool[s:s + k]) for _, pieces in units[i:i + step] for s, _, k in pieces))
+                    for i in range(0, len(units), step)]
+        else:
+            msgs = [(FakeKV(job.room, job.epoch, (page,), d - page * pb, k), bytes(self.pool[s:s + k]))
+                    for page, pieces in units for s, d, k in pieces]
+        for msg, data in msgs:
+            if not self.channel.send(job.peer.address, msg, [data]):
+                job.fail("peer unreachable")
+                return False
             job.bytes_sent += len(data)
-            return True
-        job.fail("peer unreachable")
-        return False
+        return True
 
     def on_data(self, received: Received) -> None:
         msg = received.msg
         if not isinstance(msg, FakeKV) or self.pool is None:
             return
         data, pb = memoryview(received.frames[0]) if received.frames else memoryview(b""), self.layout.page_bytes
-        if len(data) != len(msg.dst_pages) * pb:
+        off, length = msg.span_offset, msg.span_length or pb
+        if len(data) != len(msg.dst_pages) * length or off + length > pb:
             return  # malformed
         if not self.owner_ok(msg.room, msg.epoch, msg.dst_pages):
+            self.mark_dropped(received.src, len(data))
             return  # late or foreign bytes never land
         if self.on_land is not None:
             self.on_land(self.pool_id, msg.room, msg.epoch, msg.dst_pages)
         for i, p in enumerate(msg.dst_pages):
-            self.pool[p * pb:(p + 1) * pb] = data[i * pb:(i + 1) * pb]
-        self.mark_landed(msg.room, msg.epoch, msg.dst_pages)
+            self.pool[p * pb + off:p * pb + off + length] = data[i * length:(i + 1) * length]
+        self.mark_landed(msg.room, msg.epoch, msg.dst_pages, off, msg.span_length)

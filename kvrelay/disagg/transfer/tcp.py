@@ -178,10 +178,11 @@ class TcpManager(CommonManager):
             return
         if not self.owner_ok(msg.room, msg.epoch, pages):
             self.dropped_frames += 1  # late or foreign bytes never land
+            self.mark_dropped(received.src, len(data))
             return
         if length == pb:
             self.write_pool(pages.start * pb, data)
         else:
             for i, page in enumerate(pages):
                 self.write_pool(page * pb + off, data[i * length:(i + 1) * length])
-        self.mark_landed(msg.room, msg.epoch, pages)   # some bytes of each: aux still comes last
+        self.mark_landed(msg.room, msg.epoch, pages, off, msg.span_length)
