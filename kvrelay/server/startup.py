@@ -11,6 +11,7 @@ handed that same socket (`uvicorn_options`), never a second bind of the port.
 from __future__ import annotations
 
 import errno
+import logging
 import signal
 import socket
 import sys
@@ -149,8 +150,12 @@ def worker_names(config: KVRelayConfig) -> list[str]:
 
 def load_with_progress(load_model, opts):
     """Load the model with a progress bar on stderr when it is a terminal (a log file or a
-    pipe gets no bar); a load error exits with one line."""
+    pipe gets no bar); a load error exits with one line. The process's heap thresholds
+    are pinned first (`engine.heap`): an engine reuses its steps' temporaries."""
+    from kvrelay.engine.heap import pin_heap_thresholds
     from kvrelay.engine.loader import ModelLoadError
+
+    logging.getLogger("kvrelay.startup").debug("heap: %s", pin_heap_thresholds())
 
     console = Console(stderr=True)
     with Progress(TextColumn("[bold]loading[/] {task.description}"), BarColumn(), TimeElapsedColumn(),
