@@ -168,6 +168,7 @@ class Sim:
             rng, [w.name for w in self.workers if w.role == "prefill"],
             [w.name for w in self.workers if w.role == "decode"], [r.rid for r in self.requests],
             cfg.window, lease, cfg.max_faults)
+        self.quiet = all(f.kind in ("abort", "disconnect") for f in self.schedule)   # clients' faults only
         self.answers: dict[str, Answer] = {}
         self.router: SimRouter | None = None
         self.metrics: dict[str, ServingMetrics] = {}
@@ -439,8 +440,7 @@ class Sim:
         in the detail (its notice, or its phase in a heartbeat): that is not a cut."""
         told = ev.detail.startswith(("prefill: ", "decode: ")) or (
             ev.detail.startswith(("prefill side is ", "decode side is ")) and "before" not in ev.detail)
-        if ev.reason in ("peer_failed", "transfer_error") and not told and \
-                all(f.kind in ("abort", "disconnect") for f in self.schedule):
+        if self.quiet and ev.reason in ("peer_failed", "transfer_error") and not told:
             self.fail(Violation("not-cut", f"{w.name}: room {ev.room} ({ev.rid}) ended {ev.reason} "
                                            f"from {ev.from_phase} in a run with no fault: {ev.detail}"))
 

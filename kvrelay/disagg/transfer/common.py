@@ -106,19 +106,18 @@ class CommonManager(DataPath, TransferManager):
         move the transfer just the same."""
         rcv = self._receivers.get(room)
         if rcv is not None and rcv.epoch == epoch:
-            pb, nbytes, before = self.layout.page_bytes, 0, len(rcv.landed)
+            pb, nbytes, before = self.layout.page_bytes, 0, len(rcv.spans)
             span = (offset, length or pb)
             for p in dst_pages:
                 spans = rcv.spans.setdefault(p, set()) if p in rcv.pages else None
                 if spans is None or span in spans:
                     continue
                 spans.add(span)
-                rcv.landed.add(p)
                 nbytes += span[1]
                 if sum(n for _, n in spans) == pb:
                     rcv.whole.add(p)
             if mutation.on("progress_counts_pages"):   # pages touched, not bytes: see core.mutation
-                nbytes = len(rcv.landed) - before
+                nbytes = len(rcv.spans) - before
             rcv.landed_bytes += nbytes
             if rcv.peer_address is not None:
                 self._landed_from[rcv.peer_address] = self._landed_from.get(rcv.peer_address, 0) + nbytes

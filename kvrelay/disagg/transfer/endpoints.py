@@ -235,7 +235,6 @@ class CommonReceiver(_Endpoint, KVReceiver):
         self.peer_address: str | None = None
         self.pages: tuple[int, ...] = ()
         self.epoch: int | None = None
-        self.landed: set[int] = set()   # pages with some bytes in
         self.spans: dict[int, set[tuple[int, int]]] = {}   # page -> distinct (offset, length) landed
         self.whole: set[int] = set()    # pages whose every byte landed (completeness, two-sided)
         self.landed_bytes = 0           # bytes of distinct spans that landed (progress)
@@ -298,6 +297,11 @@ class CommonReceiver(_Endpoint, KVReceiver):
 
     def aux(self) -> wire.Aux | None:
         return self._aux if self.status is S.SUCCESS else None
+
+    @property
+    def landed(self) -> set[int]:
+        """Pages with some bytes in."""
+        return set(self.spans)
 
     def progress(self) -> int:
         return self.landed_bytes
