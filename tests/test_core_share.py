@@ -6,6 +6,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from array import array
 
 import pytest
@@ -13,8 +14,8 @@ import torch
 
 from kvrelay.core.config import KVCacheConfig, SchedulerConfig
 from kvrelay.engine.core import EngineCore
-from kvrelay.engine.core_share import (PREFILL_WAIT, STALE, YIELD_MAX, YIELD_POLL, CoreShare, Post, _runs, host_cores,
-                                       share, yields)
+from kvrelay.engine.core_share import (FIELDS, PREFILL_WAIT, STALE, YIELD_MAX, YIELD_POLL, CoreShare, Post, _runs,
+                                       host_cores, share, yields)
 from kvrelay.engine.types import GenerateRequest, SamplingParams
 
 
@@ -224,4 +225,31 @@ def test_an_engine_skips_its_decode_steps_while_another_computes_a_prompt(shared
         core.step()
     assert core.yielded_steps == 5
     assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 4
+    core.check_idle()
+
+
+def test_an_idle_engine_posts_no_work_once_then_leaves_the_file_alone(shared_engine):
+    """A step with work posts busy; the first idle step after it posts no work; later idle
+    steps (a decode worker polls every few ms while a prompt computes elsewhere) write
+    nothing, and the other slot reads this one as idle throughout."""
+    core, other = shared_engine
+    stamp = lambda: core.core_share._table[0 * FIELDS + 3]   # this slot's posted-at
+    outs = []
+    core.add(GenerateRequest("r", tuple(range(3, 20)), SamplingParams(max_tokens=2, temperature=0.0)), outs.append)
+    while core.has_work:
+        core.step()
+        assert other.posts()[0].busy
+    core.step()   # the first idle step
+    assert other.posts()[0] == Post(False, 0.0)
+    posted = stamp()
+    for _ in range(5):
+        time.sleep(0.002)
+        core.step()
+    assert stamp() == posted and other.posts()[0] == Post(False, 0.0)
+    core.add(GenerateRequest("s", tuple(range(3, 20)), SamplingParams(max_tokens=1, temperature=0.0)), outs.append)
+    core.step()   # work again: posted first
+    assert stamp() > posted
+    while core.has_work:
+        core.step()
+    assert [o.finished for o in outs].count(True) == 2
     core.check_idle()

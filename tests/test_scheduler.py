@@ -207,6 +207,24 @@ def test_prefill_budget_chunks_long_prompts():
     assert alloc.num_free == alloc.num_total
 
 
+def test_prefill_stretch_takes_a_short_rest_whole():
+    """With prefill_stretch, a prompt whose rest is within the budget times it runs in one
+    step; a longer one is still cut at the budget, and its rest is taken whole once it fits."""
+    alloc, s = make(num_pages=32, page_size=4, budget=10)
+    s.prefill_stretch = 2.0
+    lengths = {}
+    for rid, n in (("whole", 20), ("cut", 25)):
+        r = req(rid, n)
+        s.add(r)
+        lengths[rid] = []
+        while r.status == ReqStatus.WAITING:
+            lengths[rid] += [i.length for i in run_step(s).prefill]
+        assert r.num_computed == n and r.status == ReqStatus.RUNNING
+        s.finish(r, FinishReason.LENGTH)
+    assert lengths == {"whole": [20], "cut": [10, 15]}
+    assert alloc.num_free == alloc.num_total
+
+
 def test_max_running_requests_caps_the_batch():
     alloc, s = make(num_pages=32, page_size=4, max_running=2)
     for i in range(3):

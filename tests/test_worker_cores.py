@@ -344,10 +344,13 @@ def test_prefill_steps_stay_inside_the_heartbeat_interval(tiny_loaded):
     worker, which heartbeats between the layers of a pass. A long prompt is chunked
     instead of silencing the worker past its lease. (The pair runs under a 6 s lease: what
     is tested here is the budget; a 0.6 s one ran out on a loaded 2-core machine.)"""
-    from kvrelay.disagg.worker_core import FIRST_BUDGET, LONG_STEP_SHARE, STEP_GRANULE, STEP_SHARE
+    from kvrelay.disagg.worker_core import FIRST_BUDGET, LONG_STEP_SHARE, LONG_STEP_STRETCH, STEP_GRANULE, STEP_SHARE
     with _pair(tiny_loaded, REAL[0], life=replace(LIFE, heartbeat_misses=30)) as pair:
         assert pair.P.call(lambda c: c.step_share) == LONG_STEP_SHARE
         assert pair.D.call(lambda c: c.step_share) == STEP_SHARE
+        # only the long steps take a prompt's short rest whole (a decode waits on D's steps)
+        assert pair.P.call(lambda c: c.engine.scheduler.prefill_stretch) == LONG_STEP_STRETCH > 1
+        assert pair.D.call(lambda c: c.engine.scheduler.prefill_stretch) == 1
         for engine, step_share in ((pair.P, LONG_STEP_SHARE), (pair.D, STEP_SHARE)):
             def fit(tokens, seconds, engine=engine):
                 def run(c):
@@ -356,16 +359,21 @@ def test_prefill_steps_stay_inside_the_heartbeat_interval(tiny_loaded):
                     return c.engine.scheduler.prefill_budget
                 return engine.call(run)
 
+            def full_step(rate, engine=engine):   # a step the budget cut, at `rate` tokens/s
+                budget = engine.call(lambda c: c.engine.scheduler.prefill_budget)
+                return fit(budget, budget / rate)
+
             first = engine.call(lambda c: c.engine.scheduler.prefill_budget)
             assert first == min(SCHED.max_prefill_tokens, FIRST_BUDGET)
-            slow = 100 / (LIFE.heartbeat_interval * step_share)   # 100 tokens fill the target step time
-            budgets = [fit(slow, 1.0) for _ in range(12)]
+            step_s = LIFE.heartbeat_interval * step_share
+            budgets = [full_step(100 / step_s) for _ in range(12)]   # 100 tokens fill the step time
             assert budgets[-1] == 100 // KV.page_size * KV.page_size   # the measured rate, down to a page
             assert all(b >= KV.page_size for b in budgets)
-            fast = 300 / (LIFE.heartbeat_interval * step_share)  # 300 tokens fill it: above the granule
-            budgets = [fit(fast, 1.0) for _ in range(12)]
+            budgets = [full_step(300 / step_s) for _ in range(12)]   # 300: above the granule
             assert budgets[-1] == 300 // STEP_GRANULE * STEP_GRANULE
             assert all(b % STEP_GRANULE == 0 for b in budgets if b >= STEP_GRANULE)
+            # a short prompt's whole rest, in time, measures nothing: its fixed cost swamps it
+            assert fit(4, step_s / 2) == budgets[-1]
             assert fit(10**9, 1.0) <= SCHED.max_prefill_tokens and fit(1, 100.0) >= KV.page_size
         # A real prompt longer than the budget is prefilled in chunks and still served.
         pair.P.call(lambda c: setattr(c.engine.scheduler, "prefill_budget", 64))

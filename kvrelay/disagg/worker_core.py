@@ -52,6 +52,11 @@ STEP_SHARE = 0.5    # a prefill step may take at most this share of the heartbea
 # and no decode waits on them (a prefill worker): fewer, longer chunks re-read their
 # prefix less (a 2,000-token prompt: 1.7-2.1 s in one pass, 2.7-2.8 s in chunks of 384)
 LONG_STEP_SHARE = 3.0
+# ... and there a step takes the whole rest of a prompt within this many budgets: a short
+# last chunk costs more per token than the pass before it (176 tokens after 1,024: 0.55 s
+# against 2.3 s, avx2 Zen 2); what waits for a step's end (adds, aborts, peers' statuses)
+# waits at most this many times longer
+LONG_STEP_STRETCH = 2.0
 FIRST_BUDGET = 256  # prompt tokens of the first prefill step, before any has been timed
 STEP_GRANULE = 128  # prompt tokens: a step budget above it is a multiple of it (see step_budget)
 
@@ -126,6 +131,8 @@ class WorkerCore(EngineHooks):
         self.side.lc.on_leave = self._observe_phase
         self._cap = sched_cfg.max_prefill_tokens
         self.engine.scheduler.prefill_budget = min(self._cap, FIRST_BUDGET)
+        if self.step_share == LONG_STEP_SHARE:
+            self.engine.scheduler.prefill_stretch = LONG_STEP_STRETCH
         self._budget = float(self.engine.scheduler.prefill_budget)   # the smoothed target, before step_budget
 
     @abstractmethod
@@ -253,7 +260,8 @@ class WorkerCore(EngineHooks):
     def _fit_prefill_budget(self) -> None:
         """The prompt tokens of a prefill step follow the measured rate, to take about
         `step_share` of a heartbeat interval (at most --max-prefill-tokens): heartbeats
-        leave between steps, or between layers where the runner calls back there."""
+        leave between steps, or between layers where the runner calls back there. Only a
+        step the budget cut, or one that ran over that time, measures the rate."""
         engine = self.engine
         if engine.last_prefill is None:
             return
@@ -261,7 +269,13 @@ class WorkerCore(EngineHooks):
         engine.last_prefill = None
         if seconds <= 0 or tokens <= 0:
             return
-        target = tokens / seconds * self.lifecycle_cfg.heartbeat_interval * self.step_share
+        step_s = self.lifecycle_cfg.heartbeat_interval * self.step_share
+        if tokens < engine.scheduler.prefill_budget and seconds <= step_s:
+            # a short prompt's whole rest, in time: its pass's fixed cost (every weight read
+            # once) swamps its few tokens, so its rate says nothing of a full step's (a
+            # 4-token prompt cut the next 1,700-token one's first chunk to 512)
+            return
+        target = tokens / seconds * step_s
         self._budget = 0.5 * self._budget + 0.5 * target   # smooth: one noisy step moves it half way
         engine.scheduler.prefill_budget = step_budget(self._budget, engine.layout.page_size, self._cap)
         log.debug("prefill step", extra={"tokens": tokens, "seconds": round(seconds, 4),

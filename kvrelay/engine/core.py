@@ -94,6 +94,7 @@ class EngineCore:
         # --core-share: this engine's part of the host's cores, set before each step (built
         # on the engine thread, the one whose OpenMP thread count torch.set_num_threads sets)
         self.core_share = CoreShare.from_spec(sched_cfg.core_share) if sched_cfg.core_share else None
+        self._posted_work = True   # the last post may say busy: the first step posts
         self.yielded_steps = 0   # steps of decodes skipped for another engine's prompt (core_share)
         self.yielded_s = 0.0     # and the seconds they waited
         # Installed by AsyncEngine: answers the read-only calls queued for the loop. Called
@@ -312,7 +313,12 @@ class EngineCore:
 
     def _take_cores(self, busy: bool) -> None:
         """Post whether this step has work (and its prompt tokens still to compute), then
-        run it on this engine's part of the host's cores."""
+        run it on this engine's part of the host's cores. An engine with nothing to run
+        posts that once: every further idle step (a decode worker polls every few
+        milliseconds while a prompt computes elsewhere) leaves the file alone."""
+        if not busy and not self._posted_work:
+            return
+        self._posted_work = busy
         n = self.core_share.threads(busy, self._queued_prompt() if busy else 0)
         if n != torch.get_num_threads():
             torch.set_num_threads(n)

@@ -2,8 +2,9 @@
 
 `kvrelay serve` runs a prefill and a decode worker on one host. A fixed split (cores /
 workers) leaves the prefill worker on one core of two while the decode worker idles, and
-the other way round. With a share, each engine posts in FILE, before every step, whether
-it has work, and runs the step on its part of the host's cores: the cores split evenly
+the other way round. With a share, each engine posts in FILE, before every step with work
+and before the first without, whether it has work, and runs the step on its part of the
+host's cores: the cores split evenly
 among the engines that have work; the cores left over (fewer than those engines) go to the
 ones with the most queued compute (prompt tokens not yet computed, then slot order). An
 engine with no work runs on all the cores the others leave: it has nothing to run, and

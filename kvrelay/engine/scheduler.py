@@ -2,7 +2,9 @@
 
 Each `schedule()` returns the prompt chunks and decodes of one forward pass. Prompt
 chunks come from the waiting queue in `queue_order`, bounded by `max_prefill_tokens` and
-`max_running_requests` (a prompt longer than the budget is chunked). fcfs takes arrival
+`max_running_requests` (a prompt longer than the budget is chunked; where the owner sets
+`prefill_stretch`, a step's first prompt is taken whole when its rest is within the budget
+times it). fcfs takes arrival
 order. shortest-first takes, in this order: requests already started (partly prefilled, or
 preempted), in queue order; requests that have waited `max_queue_wait`, in arrival order;
 then the rest by prompt tokens left, fewest first. A request that does not fit blocks the
@@ -148,6 +150,10 @@ class Scheduler:
         # Prompt tokens per prefill step; the owner may lower it below the configured cap
         # (a disaggregated worker keeps each step shorter than its heartbeat interval).
         self.prefill_budget = config.max_prefill_tokens
+        # A step's first prompt is taken whole where its rest is at most prefill_budget *
+        # prefill_stretch, so no short last chunk pays a pass of its own (the owner raises
+        # it; 1: no stretch). A later prompt of the step only gets what the budget leaves.
+        self.prefill_stretch = 1.0
         self._copies: list[tuple[Req, int, int]] = []   # copy-on-write of the decode pass being scheduled
         self.costs = StepCosts()
 
@@ -217,12 +223,18 @@ class Scheduler:
                 break
             if req.num_preemptions and mutation.on("oom_after_kv_stranded"):
                 continue  # SGLang #6857: a request that lost its pages after its KV arrived is stranded
-            length = min(req.seq_len - req.num_computed, budget)
+            length = self.chunk_of(req, budget) if not items else min(req.seq_len - req.num_computed, budget)
             if not self._grow(req, req.num_computed + length):
                 break  # a head that does not fit blocks later ones (no starvation)
             items.append(PrefillItem(req, req.num_computed, length))
             budget -= length
         return items
+
+    def chunk_of(self, req: Req, budget: int) -> int:
+        """The prompt tokens of `req` a step with `budget` left takes: its whole rest where
+        that is within the budget stretched by prefill_stretch, else the budget."""
+        rest = req.seq_len - req.num_computed
+        return rest if rest <= budget * self.prefill_stretch else min(rest, budget)
 
     def prefill_order(self) -> list[Req]:
         """The waiting requests in the order their prompts are taken (the module docstring)."""

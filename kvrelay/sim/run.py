@@ -490,7 +490,7 @@ class Sim:
         if n >= 3:
             raise Violation("no-starvation", f"{w.name}: {head.rid} heads the waiting queue for {n} iterations "
                                              f"with room in the batch and {sched.allocator.num_free} pages free")
-        chunk = min(head.seq_len - head.num_computed, sched.prefill_budget)
+        chunk = sched.chunk_of(head, sched.prefill_budget)
         need = pages_for(head.num_computed + chunk, sched.page_size) - len(head.pages)
         fits = len(sched.running) < sched.config.max_running_requests and need <= w.core.engine.allocator.num_free
         self._starving[w.name] = (key, fits, n)
