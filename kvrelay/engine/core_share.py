@@ -4,11 +4,10 @@
 workers) leaves the prefill worker on one core of two while the decode worker idles, and
 the other way round. With a share, each engine posts in FILE, before every step with work
 and before the first without, whether it has work, and runs the step on its part of the
-host's cores: the cores split evenly
-among the engines that have work; the cores left over (fewer than those engines) go to the
-ones with the most queued compute (prompt tokens not yet computed, then slot order). An
-engine with no work runs on all the cores the others leave: it has nothing to run, and
-its next step with work posts first.
+host's cores: the cores split evenly among the engines that have work; the cores left over
+(fewer than those engines) go to the ones with the most queued compute (prompt tokens not
+yet computed, then slot order). An engine with no work runs on all the cores the others
+leave: it has nothing to run, and its next step with work posts first.
 
 Prefill first, as a colocated engine's scheduler orders its own steps: an engine whose
 next step has only decodes (no prompt tokens to compute) yields while another engine

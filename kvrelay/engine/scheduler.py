@@ -1,14 +1,15 @@
 """Continuous batching: a waiting queue and a running batch, pure Python over page ids.
 
-Each `schedule()` returns the prompt chunks and decodes of one forward pass. Prompt
-chunks come from the waiting queue in `queue_order`, bounded by `max_prefill_tokens` and
+Each `schedule()` returns the prompt chunks and decodes of one forward pass. Prompt chunks
+come from the waiting queue in `queue_order`, bounded by `max_prefill_tokens` and
 `max_running_requests` (a prompt longer than the budget is chunked; where the owner sets
 `prefill_stretch`, a step's first prompt is taken whole when its rest is within the budget
-times it). fcfs takes arrival
-order. shortest-first takes, in this order: requests already started (partly prefilled, or
-preempted), in queue order; requests that have waited `max_queue_wait`, in arrival order;
-then the rest by prompt tokens left, fewest first. A request that does not fit blocks the
-ones after it, so a long prompt waits at most `max_queue_wait` plus what is ahead of it then.
+times it). fcfs takes arrival order. shortest-first takes, in this order: requests already
+started (partly prefilled, or preempted), in queue order; requests that have waited
+`max_queue_wait`, in arrival order; then the rest by prompt tokens left, fewest first. A
+request that does not fit blocks the ones after it, so a long prompt waits at most
+`max_queue_wait` plus what is ahead of it then.
+
 With `target_tpot` (mixed batches, as vLLM's chunked prefill): every running request
 decodes in every step, and the prompt tokens beside them are what `StepCosts` says fits in
 target_tpot (at least MIN_MIXED_CHUNK, so prompts always advance); a step with no running
@@ -223,18 +224,19 @@ class Scheduler:
                 break
             if req.num_preemptions and mutation.on("oom_after_kv_stranded"):
                 continue  # SGLang #6857: a request that lost its pages after its KV arrived is stranded
-            length = self.chunk_of(req, budget) if not items else min(req.seq_len - req.num_computed, budget)
+            length = self.chunk_of(req, budget, first=not items)
             if not self._grow(req, req.num_computed + length):
                 break  # a head that does not fit blocks later ones (no starvation)
             items.append(PrefillItem(req, req.num_computed, length))
             budget -= length
         return items
 
-    def chunk_of(self, req: Req, budget: int) -> int:
-        """The prompt tokens of `req` a step with `budget` left takes: its whole rest where
-        that is within the budget stretched by prefill_stretch, else the budget."""
+    def chunk_of(self, req: Req, budget: int, first: bool = True) -> int:
+        """The prompt tokens of `req` a step with `budget` left takes: the step's `first`
+        prompt's whole rest where that is within the budget times prefill_stretch, else at
+        most the budget."""
         rest = req.seq_len - req.num_computed
-        return rest if rest <= budget * self.prefill_stretch else min(rest, budget)
+        return rest if first and rest <= budget * self.prefill_stretch else min(rest, budget)
 
     def prefill_order(self) -> list[Req]:
         """The waiting requests in the order their prompts are taken (the module docstring)."""
