@@ -237,7 +237,7 @@ def test_without_the_key_no_bootstrap_no_heartbeat_no_byte_lands(backend):
             assert e.peers() == {}                        # and P never answered the attacker
             assert pair.d.take_heartbeats() == []       # no forged heartbeat reached the lease
             assert checksum(pair.d_bytes(range(16))) == before
-            assert rcv.poll() is S.TRANSFERRING and rcv.landed == set() and rcv.aux() is None
+            assert rcv.poll() is S.TRANSFERRING and rcv.spans == {} and rcv.aux() is None
         # the real P still completes the room
         data = pair.fill([0, 1], seed=3)
         snd.send([0, 1], wire.Aux(0, 0, first_token=42))

@@ -204,7 +204,7 @@ def test_layer_wise_spans_landing_after_every_page_has_some_bytes_are_progress()
         H.to_phase(1, "P", "queued")
         dst = list(H.D.lc.rooms[1].data.pages)
         prefill_layer_wise(H, 1, 8)
-        every_page_touched = lambda: len(H.D._receivers[1].landed) == 8   # noqa: E731
+        every_page_touched = lambda: len(H.D._receivers[1].spans) == 8   # noqa: E731
         assert H.run_until(every_page_touched, 30)
         touched_at = H.clock.now()
         assert H.run_until(lambda: ready(H, 1), 30), (H.P.live(), H.D.live(), H.events)

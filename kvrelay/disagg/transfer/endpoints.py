@@ -298,11 +298,6 @@ class CommonReceiver(_Endpoint, KVReceiver):
     def aux(self) -> wire.Aux | None:
         return self._aux if self.status is S.SUCCESS else None
 
-    @property
-    def landed(self) -> set[int]:
-        """Pages with some bytes in."""
-        return set(self.spans)
-
     def progress(self) -> int:
         return self.landed_bytes
 
