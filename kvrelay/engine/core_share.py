@@ -12,8 +12,12 @@ leave: it has nothing to run, and its next step with work posts first.
 Prefill first, as a colocated engine's scheduler orders its own steps: an engine whose
 next step has only decodes (no prompt tokens to compute) yields while another engine
 posts prompt tokens to compute, so that one computes its prompt on all the cores. It
-yields for at most YIELD_MAX seconds, then runs one step on its even share before it may
-yield again, so a stream of prompts slows its decodes and never stops them. A yielding
+yields for the steps under way when it began (each post marks one step), then runs one step
+before it may yield again, so a stream of prompts slows its decodes and never stops them.
+A step of decodes beside a prompt's pass costs the pass more than its own time: the two run
+on three threads over two cores, and the prompt's threads wait for each other (a yield cut
+every second lost 0.15-0.25 s of a 1,700-token prompt's 4.5 s, avx2 Zen 2). YIELD_MAX
+bounds a yield whatever the others post (a step that hangs). A yielding
 engine posts no work and keeps running its loop (its commands, its lifecycle's messages):
 only its forward pass waits. An engine about to compute a prompt while another is in the
 middle of a step of decodes only waits for that step to end, for at most PREFILL_WAIT
@@ -48,7 +52,9 @@ FIELDS = 4
 SLOT_BYTES = FIELDS * 8
 MAX_PID = 2 ** 22   # Linux's pid_max limit
 STALE = 60.0   # seconds: a post older than this is an engine that no longer steps (no step lasts this long)
-YIELD_MAX = 1.0   # seconds: the longest a decode-only engine waits for another's prompt before one step
+# seconds: the longest a decode-only engine waits for another's prompt step before one
+# step of its own; above a prefill worker's longest planned step (3 s, 6 s with its stretch)
+YIELD_MAX = 8.0
 YIELD_POLL = 0.005   # seconds: how long a yielding engine sleeps before it reads the file again
 PREFILL_WAIT = 0.25  # seconds: the longest a prompt's step waits for another engine's decode step to end
 
@@ -57,6 +63,7 @@ PREFILL_WAIT = 0.25  # seconds: the longest a prompt's step waits for another en
 class Post:
     busy: bool
     queued: float = 0.0   # prompt tokens not yet computed: the remainder's tie-break
+    at: float = 0.0       # when it was posted: one post per step, so it names the step
 
 
 def share(me: int, posts: dict[int, Post], cores: int) -> int:
@@ -68,9 +75,15 @@ def share(me: int, posts: dict[int, Post], cores: int) -> int:
     return max(1, base + (1 if busy.index(me) < extra else 0))
 
 
+def prompt_steps(me: int, posts: dict[int, Post]) -> frozenset[tuple[int, float]]:
+    """The other slots' steps under way that compute a prompt, as (slot, posted at): slot
+    `me`, with decode work only, leaves its step to them."""
+    return frozenset((s, p.at) for s, p in posts.items() if s != me and p.busy and p.queued > 0)
+
+
 def yields(me: int, posts: dict[int, Post]) -> bool:
     """Whether slot `me`, with decode work only, leaves its step to an engine computing a prompt."""
-    return any(p.busy and p.queued > 0 for s, p in posts.items() if s != me)
+    return bool(prompt_steps(me, posts))
 
 
 def decoding(me: int, posts: dict[int, Post]) -> bool:
@@ -116,6 +129,7 @@ class CoreShare:
             os.close(fd)
         self._table = memoryview(self._map).cast("d")
         self._yielding_since: float | None = None
+        self._yielding_for: frozenset[tuple[int, float]] = frozenset()   # the prompt steps it yields to
 
     @classmethod
     def from_spec(cls, spec: str) -> "CoreShare":
@@ -138,7 +152,7 @@ class CoreShare:
                 continue   # empty, or not written by an engine: counts for nothing
             if s != self.slot and (now - at > STALE or not self._alive(int(pid))):
                 continue
-            out[s] = Post(busy > 0.5, queued)
+            out[s] = Post(busy > 0.5, queued, at)
         return out
 
     def threads(self, busy: bool, queued: float = 0.0) -> int:
@@ -157,18 +171,22 @@ class CoreShare:
 
     def should_yield(self, decodes_only: bool) -> bool:
         """Before a step: True if this engine, whose work is `decodes_only`, should skip
-        this step for a prompt elsewhere (it then posts no work). False at most YIELD_MAX
-        seconds after the first True in a row, and then once, whatever the others post."""
+        this step for a prompt elsewhere (it then posts no work). A run of Trues lasts while
+        one of the prompt steps under way at its first True still runs, and at most
+        YIELD_MAX seconds; then False once, whatever the others post."""
         if decodes_only:
             now = self._clock()
             since = self._yielding_since
-            if since is not None and now - since >= YIELD_MAX:
-                self._yielding_since = None
-                return False
             self.post(False)
-            if yields(self.slot, self.posts()):
+            steps = prompt_steps(self.slot, self.posts())
+            if since is None:
+                self._yielding_for = steps
+            if steps & self._yielding_for and (since is None or now - since < YIELD_MAX):
                 self._yielding_since = now if since is None else since
                 return True
+            if since is not None:   # the steps it yielded to ended (or it yielded YIELD_MAX): one step
+                self._yielding_since = None
+                return False
         self._yielding_since = None
         return False
 
