@@ -15,7 +15,7 @@ import torch
 from kvrelay.core.config import KVCacheConfig, SchedulerConfig
 from kvrelay.engine.core import EngineCore
 from kvrelay.engine.core_share import (FIELDS, PREFILL_WAIT, STALE, YIELD_MAX, YIELD_POLL, CoreShare, Post, _runs,
-                                       host_cores, share, yields)
+                                       host_cores, share, prompt_steps)
 from kvrelay.engine.types import GenerateRequest, SamplingParams
 
 
@@ -138,10 +138,10 @@ def test_an_engine_with_decodes_only_yields_for_the_prompt_step_under_way_then_s
     path, clock = str(tmp_path / "cores"), Clock()
     d = CoreShare(path, 0, cores=2, clock=clock, pid=1001, alive=lambda pid: True)
     p = CoreShare(path, 1, cores=2, clock=clock, pid=1002, alive=lambda pid: True)
-    assert yields(0, {0: Post(True), 1: Post(True, 300)})
-    assert not yields(0, {0: Post(True), 1: Post(True, 0)})          # the other decodes too
-    assert not yields(0, {0: Post(True), 1: Post(False, 300)})       # posted no work
-    assert not yields(0, {0: Post(True, 300)})                       # its own prompt does not count
+    assert prompt_steps(0, {0: Post(True), 1: Post(True, 300)})
+    assert not prompt_steps(0, {0: Post(True), 1: Post(True, 0)})          # the other decodes too
+    assert not prompt_steps(0, {0: Post(True), 1: Post(False, 300)})       # posted no work
+    assert not prompt_steps(0, {0: Post(True, 300)})                       # its own prompt does not count
     p.post(True, 0)
     assert not d.should_yield(True)          # the other has no prompt to compute
     p.post(True, 2048)

@@ -81,11 +81,6 @@ def prompt_steps(me: int, posts: dict[int, Post]) -> frozenset[tuple[int, float]
     return frozenset((s, p.at) for s, p in posts.items() if s != me and p.busy and p.queued > 0)
 
 
-def yields(me: int, posts: dict[int, Post]) -> bool:
-    """Whether slot `me`, with decode work only, leaves its step to an engine computing a prompt."""
-    return bool(prompt_steps(me, posts))
-
-
 def decoding(me: int, posts: dict[int, Post]) -> bool:
     """Whether another slot is in a step of decodes only (busy, no prompt to compute)."""
     return any(p.busy and p.queued <= 0 for s, p in posts.items() if s != me)
@@ -184,10 +179,7 @@ class CoreShare:
             if steps & self._yielding_for and (since is None or now - since < YIELD_MAX):
                 self._yielding_since = now if since is None else since
                 return True
-            if since is not None:   # the steps it yielded to ended (or it yielded YIELD_MAX): one step
-                self._yielding_since = None
-                return False
-        self._yielding_since = None
+        self._yielding_since = None   # the steps it yielded to ended (or it yielded YIELD_MAX): one step
         return False
 
     def leave(self) -> None:
