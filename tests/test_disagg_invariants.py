@@ -2,6 +2,7 @@
 abort everywhere, deadlines per phase, leases, lost/duplicated/late messages, no leak."""
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -38,6 +39,42 @@ def test_happy_path_moves_exact_bytes(backend):
         assert H.event("P", 1)[1].phase == "done"
         H.D.finish(1)
         assert H.event("D", 1)[1].phase == "done"
+        H.assert_no_leak()
+    finally:
+        H.close()
+
+
+def test_inside_a_pass_only_settled_transfers_end(backend):
+    """Between a pass's layers (`mid_step`) P ends a room in transfer once D acks it, so
+    its transfer phase measures the transfer, not the rest of the step. A room the pass
+    may be computing into (prefill) stays, even with its sender failed: it ends at the
+    step's end."""
+    H = make(backend)
+    try:
+        H.request(1)
+        H.request(2)
+        H.to_phase(1, "P", "queued")
+        H.to_phase(2, "P", "queued")
+        H.prefill(1)                          # the pass that computes room 2 runs from here
+        assert H.phase("P", 1) == "transfer" and H.phase("P", 2) == "prefill"
+        H.D.abort(2, "aborted", "client went away")   # D tells P room 2 ended
+        ready: list = []
+        for _ in range(int(2 / DT)):
+            H.clock.advance(DT)
+            H.P.mid_step()
+            H.D.step()
+            ready += H.D.take_ready()
+            if H.real:
+                time.sleep(0.001)
+            if H.phase("P", 1) is None and H.P._senders[2].poll() is TransferStatus.FAILED:
+                break
+        assert [room for room, _ in ready] == [1]
+        assert H.phase("P", 1) is None and H.event("P", 1)[1].phase == "done"
+        assert H.p_released.get(1) == 1 and H.p_released.get(2) is None
+        assert H.phase("P", 2) == "prefill"   # failed sender, but the pass may still write its pages
+        H.P.step()                            # the step's end
+        assert H.phase("P", 2) is None and H.event("P", 2)[1].phase == "aborted"
+        H.D.finish(1)
         H.assert_no_leak()
     finally:
         H.close()

@@ -157,11 +157,16 @@ class Coordinator(ABC):
 
     def mid_step(self) -> None:
         """Inside a long forward pass (between its layers): pump the backend and heartbeat
-        out, so that a busy worker keeps its leases and its transfers move. Invariant: it
-        ends no room and frees no page (the pass may be computing into a room's pages);
-        polling rooms, reading heartbeats and the watchdog wait for `step()`."""
+        out, so that a busy worker keeps its leases and its transfers move, then
+        `_poll_settled`. Invariant: it ends no room the pass may be computing into, and
+        frees no page of one; reading heartbeats and the watchdog wait for `step()`."""
         self.manager.progress()
         self._beat()
+        self._poll_settled()
+
+    def _poll_settled(self) -> None:
+        """Inside a pass: end the rooms whose backend status is already terminal and that
+        no pass computes into (none, unless a side overrides it)."""
 
     def _read_heartbeats(self) -> None:
         self.leases.heard(self.manager.heard())

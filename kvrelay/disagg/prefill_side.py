@@ -110,12 +110,25 @@ class PrefillSide(Coordinator):
         for r in list(self.lc.rooms.values()):
             snd = self._senders[r.room]
             st = snd.poll()
-            if st is S.FAILED:
-                self._fail(r, snd.failure_reason or Reason.TRANSFER_ERROR.value, snd.failure_detail)
-            elif r.phase is PPhase.BOOTSTRAP and st is S.WAITING:
+            if r.phase is PPhase.BOOTSTRAP and st is S.WAITING:
                 self._paired(r, snd)
-            elif r.phase is PPhase.TRANSFER and st is S.SUCCESS:
-                self._done(r)
+            else:
+                self._settle(r, snd, st)
+
+    def _poll_settled(self) -> None:
+        """Rooms in transfer end inside a pass too, as D's ack (or a failure) arrives: the
+        engine no longer computes into their pages, and their transfer phase then measures
+        the transfer, not the rest of the step that followed it."""
+        for r in [r for r in self.lc.rooms.values() if r.phase is PPhase.TRANSFER]:
+            snd = self._senders[r.room]
+            self._settle(r, snd, snd.poll())
+
+    def _settle(self, r: Room, snd: KVSender, st: TransferStatus) -> None:
+        """End `r` if its sender's status `st` is terminal: failed in any phase, success in transfer."""
+        if st is S.FAILED:
+            self._fail(r, snd.failure_reason or Reason.TRANSFER_ERROR.value, snd.failure_detail)
+        elif r.phase is PPhase.TRANSFER and st is S.SUCCESS:
+            self._done(r)
 
     def _paired(self, r: Room, snd: KVSender) -> None:
         dest = snd.dest
