@@ -431,6 +431,46 @@ def test_a_prefill_step_longer_than_the_lease_keeps_its_pair_and_answers_reads(t
         pair.assert_idle()
 
 
+def test_calibration_sizes_the_first_prefill_step(tiny_loaded):
+    """At start-up a worker times one pass of FIRST_BUDGET tokens into scratch pages and
+    sizes its first prefill step from that rate, as it sizes later steps from theirs. The
+    pass leaves nothing behind: every page free, no request, no token counted, no cost
+    sample. A rate slower than FIRST_BUDGET allows (a pass timed while another worker
+    loads) keeps FIRST_BUDGET, as does a pool too small for the pass."""
+    from kvrelay.disagg.worker_core import FIRST_BUDGET, step_budget
+    tc = TransferConfig(transfer_backend=REAL[0])
+    core = PrefillCore(tiny_loaded, KV, SCHED, LIFE, tc)
+    try:
+        e = core.engine
+        assert e.scheduler.prefill_budget == FIRST_BUDGET and e.scheduler.costs.per_token is None
+        seconds = e.time_prefill(FIRST_BUDGET)
+        assert seconds > 0 and e.scheduler.costs.per_token is None
+        assert e.allocator.num_free == e.allocator.num_total
+        assert e.prompt_tokens_done == 0 and e.tokens_sampled == 0 and not e.has_work
+        e.time_prefill = lambda tokens: tokens / 10.0   # 10 tokens/s: under FIRST_BUDGET a step
+        core.calibrate()
+        assert e.scheduler.prefill_budget == FIRST_BUDGET
+        rates = iter([100.0, 1_000.0])   # tokens a second, cold then warm: the faster pass counts
+        e.time_prefill = lambda tokens: tokens / next(rates)
+        core.calibrate()
+        want = step_budget(1_000.0 * LIFE.heartbeat_interval * core.step_share, KV.page_size, SCHED.max_prefill_tokens)
+        assert e.scheduler.prefill_budget == want > FIRST_BUDGET
+        core.check_idle()
+    finally:
+        core.close()
+    for cls, kv in ((PrefillCore, replace(KV, max_kv_tokens=FIRST_BUDGET // 2)), (DecodeCore, KV)):
+        core = cls(tiny_loaded, kv, SCHED, LIFE, tc)
+        try:
+            timed = []
+            core.engine.time_prefill = lambda tokens, real=core.engine.time_prefill: timed.append(real(tokens)) or timed[-1]
+            core.calibrate()
+            assert core.engine.scheduler.prefill_budget == FIRST_BUDGET
+            assert timed == ([None, None] if cls is PrefillCore else [])   # no room for the pass; no pass
+            core.check_idle()
+        finally:
+            core.close()
+
+
 def test_a_step_budget_keeps_to_a_few_sizes():
     """Long prompts are chunked in multiples of STEP_GRANULE (of a page below it), so their
     matmul and attention shapes repeat from prompt to prompt."""

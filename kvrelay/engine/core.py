@@ -278,6 +278,23 @@ class EngineCore:
             self.last_prefill = (tokens, seconds)
         self.scheduler.costs.observe(len(batch.decode), tokens, seconds)
 
+    def time_prefill(self, tokens: int) -> float | None:
+        """Seconds of one prefill pass of `tokens` prompt tokens, computed into scratch pages
+        outside any request (no output, no counter, no cost sample); the pages are free
+        again after. None if the pool has no room for them."""
+        owner = ("calibration",)
+        pages = self.allocator.allocate(pages_for(tokens, self.layout.page_size), owner)
+        if pages is None:
+            return None
+        vocab = self.loaded.arch.vocab_size
+        try:
+            started = self.clock.now()
+            self.runner.prefill([SeqChunk([i * 7919 % vocab for i in range(tokens)], 0, pages)])
+            seconds = self.clock.now() - started
+        finally:
+            self.allocator.free(owner)
+        return seconds
+
     def _between_layers(self, layers: int) -> None:
         """Inside a prefill pass, after a layer, at most every MID_STEP_PERIOD: the
         loop's work that cannot wait for a long step's end. Invariant: nothing here

@@ -138,8 +138,14 @@ def serve_worker(config: KVRelayConfig, role: str) -> None:
 
     def build_core() -> WorkerCore:  # on the engine thread: it alone touches torch
         loaded = load_with_progress(load_model, config.model)
-        return cls(loaded, config.kv, config.scheduler, config.lifecycle, config.transfer, metrics=metrics,
+        core = cls(loaded, config.kv, config.scheduler, config.lifecycle, config.transfer, metrics=metrics,
                    cluster_key=key, replay_window=config.security.replay_window)
+        try:
+            core.calibrate()   # the first prefill step's size, from a timed pass
+        except BaseException:
+            core.close()
+            raise
+        return core
 
     try:
         engine = AsyncEngine(build_core)
