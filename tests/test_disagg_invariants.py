@@ -44,6 +44,14 @@ def test_happy_path_moves_exact_bytes(backend):
         H.close()
 
 
+def queue_two(H: Harness) -> None:
+    """Rooms 1 and 2 paired, both queued at P."""
+    for room in (1, 2):
+        H.request(room)
+    for room in (1, 2):
+        H.to_phase(room, "P", "queued")
+
+
 def test_inside_a_pass_only_settled_transfers_end(backend):
     """Between a pass's layers (`mid_step`) P ends a room in transfer once D acks it, so
     its transfer phase measures the transfer, not the rest of the step. A room the pass
@@ -51,10 +59,7 @@ def test_inside_a_pass_only_settled_transfers_end(backend):
     step's end."""
     H = make(backend)
     try:
-        H.request(1)
-        H.request(2)
-        H.to_phase(1, "P", "queued")
-        H.to_phase(2, "P", "queued")
+        queue_two(H)
         H.prefill(1)                          # the pass that computes room 2 runs from here
         assert H.phase("P", 1) == "transfer" and H.phase("P", 2) == "prefill"
         H.D.abort(2, "aborted", "client went away")   # D tells P room 2 ended
@@ -375,10 +380,7 @@ def test_layout_mismatch_names_the_fields(backend):
 def test_debug_rows_and_gauges_agree(backend):
     H = make(backend)
     try:
-        H.request(1)
-        H.request(2)
-        H.to_phase(1, "P", "queued")
-        H.to_phase(2, "P", "queued")
+        queue_two(H)
         H.P.take_queued(1)
         rows = H.P.live()
         assert {r["phase"] for r in rows} == {"prefill", "queued"}
