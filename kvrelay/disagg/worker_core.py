@@ -263,11 +263,10 @@ class WorkerCore(EngineHooks):
         (the faster counts: the first also warms the kernels) and size the first prefill
         step from them, so a long first prompt is not cut at FIRST_BUDGET (a 925-token one
         took two passes, 0.47 + 1.44 s against 1.83 s in one, avx2 Zen 2). Never below
-        FIRST_BUDGET: `serve`'s workers start together, and a pass timed while the other
-        loads its model runs slow (1.6-2.0 s for 256 tokens against 0.47 s). It keeps
-        FIRST_BUDGET where the pool has no room for the pass, and on a decode worker (not
-        LONG_STEPS): its steps are short, and its passes timed beside the prefill worker's
-        would slow both."""
+        FIRST_BUDGET: a pass timed while another process computes runs slow (`serve`'s two
+        workers timing theirs at once: 1.5-2.0 s for 256 tokens against 0.45-0.47 s). It
+        keeps FIRST_BUDGET where the pool has no room for the pass, and on a decode worker
+        (not LONG_STEPS), which starts beside the prefill worker: its steps are short."""
         if not self.LONG_STEPS:
             return
         tokens = self.engine.scheduler.prefill_budget
