@@ -116,7 +116,8 @@ def test_prefill_attention(variant, dtype, S, D, G, lens):
 
 @pytest.mark.parametrize("stored", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("M,N,K,bias", [(1, 576, 1536, True), (5, 37, 11, True), (13, 100, 64, False),
-                                        (32, 960, 576, False), (128, 33, 7, True), (7, 1, 3, False)])
+                                        (32, 960, 576, False), (128, 33, 7, True), (7, 1, 3, False),
+                                        (300, 40, 1536, True), (2, 17, 70000, False)])
 def test_wide_gemm(variant, stored, M, N, K, bias):
     if variant is None:
         return
@@ -129,6 +130,30 @@ def test_wide_gemm(variant, stored, M, N, K, bias):
     got = g(x, g.pack(w), N, g.pad_bias(b))
     assert got.dtype == torch.float32 and got.shape == (M, N)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-4 * K ** 0.5)
+
+
+@pytest.mark.parametrize("rows", [1, 32, 129, 300])
+def test_float32_linear_takes_the_path_of_the_variant(variant, rows):
+    """float32 compute over bfloat16-stored weights: the AVX2 variant's kernel takes every
+    row count and no oneDNN copy is kept; the AVX-512F variants hand rows past
+    GEMM_MAX_ROWS to oneDNN. Either way each row count matches a float32 matmul of the
+    bfloat16-rounded weight."""
+    if variant is None:
+        return
+    from kvrelay.engine.models import linear
+    gen = torch.Generator().manual_seed(14)
+    w, bias = torch.randn(70, 96, generator=gen), torch.randn(70, generator=gen)
+    packed = linear.pack_weight(w, bias, WeightFormat(torch.float32, "bf16"))
+    assert packed.wide and packed.native is not None and packed.serves_every_row_count
+    if variant == "avx2":
+        assert wide_gemm().all_rows and packed.onednn is None
+        assert linear.native_max_rows(packed) == linear.ALL_ROWS
+    else:
+        assert not wide_gemm().all_rows
+        assert linear.native_max_rows(packed) == linear.GEMM_MAX_ROWS
+    x = torch.randn(rows, 96, generator=gen)
+    want = x @ w.bfloat16().float().t() + bias
+    assert torch.allclose(linear.fast_linear(x, w, bias, packed), want, rtol=1e-5, atol=1e-4)
 
 
 def test_elementwise_float32(variant):

@@ -6,7 +6,9 @@
  * Built with -fopenmp and loaded after torch, the library binds to torch's libgomp (same
  * soname), so these threads are torch's own team, not a second one competing for cores.
  * Scores are computed in float32 in a first pass, softmax-normalised, then used to
- * accumulate values in a second pass. Head dims 64 and 128 get fixed-size inner loops.
+ * accumulate values in a second pass. Head dims 64 and 128 get fixed-size inner loops:
+ * vector items on the AVX-512F and AVX2 builds (paged_attention_f32.h), scalar ones
+ * elsewhere.
  * On CPUs with AVX-512 BF16 the bfloat16 path (paged_attention_avx512.h) takes 16 keys
  * at a time: bf16 dot products, one shuffle tree per 16 scores, float32 accumulation.
  */
@@ -18,15 +20,16 @@
 #include "bf16.h"
 #include "paged_attention_avx512.h"
 #include "prefill_attention_avx512.h"
+#include "paged_attention_f32.h"
 #include "prefill_attention_f32.h"
 
 #define MAX_GROUP 16
 
 /* One work item, head dim DIM (a constant when specialised). */
-#define DEFINE_ITEM(NAME, T, LOAD, STORE, DIM_DECL, DIM)                                      \
+#define DEFINE_ITEM(NAME, T, LOAD, STORE, DIM)                                                \
 static void NAME(const T *pool, const int64_t *pages, int64_t n, const T *q, T *out,         \
                  int64_t layer, int64_t L, int64_t H, int64_t h, int64_t G, int64_t S,       \
-                 DIM_DECL, float scale, float *scores) {                                     \
+                 float scale, float *scores) {                                               \
     float qf[MAX_GROUP * DIM], acc[MAX_GROUP * DIM], row[DIM];                               \
     const int64_t page_stride = L * 2 * H * S * DIM, head_stride = S * DIM;                  \
     for (int64_t i = 0; i < G * DIM; ++i) qf[i] = LOAD(q + i) * scale;                       \
@@ -60,10 +63,9 @@ static void NAME(const T *pool, const int64_t *pages, int64_t n, const T *q, T *
     for (int64_t i = 0; i < G * DIM; ++i) out[i] = STORE(acc[i]);                            \
 }
 
-/* FAST: whether T is bfloat16 and the AVX-512 BF16 item is compiled in. */
-#define DEFINE_KERNEL(NAME, T, LOAD, STORE, FAST)                                             \
-DEFINE_ITEM(NAME##_d64, T, LOAD, STORE, int64_t unused, 64)                                   \
-DEFINE_ITEM(NAME##_d128, T, LOAD, STORE, int64_t unused, 128)                                 \
+/* FAST: whether T is bfloat16 and the AVX-512 BF16 item is compiled in; else ITEM(64) and
+ * ITEM(128) are the items for those head dims, SCRATCH(G, n) their score floats. */
+#define DEFINE_KERNEL(NAME, T, FAST, ITEM, SCRATCH)                                           \
 int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const T *q, T *out, \
          int64_t max_pages, int64_t layer, int64_t L, int64_t H, int64_t G, int64_t S,       \
          int64_t D, float scale, int64_t lo, int64_t hi) {                                   \
@@ -74,7 +76,8 @@ int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const
     int failed = 0;                                                                          \
     _Pragma("omp parallel reduction(|:failed)")                                              \
     {                                                                                        \
-        float *scores = malloc(sizeof(float) * (size_t)SCRATCH_FLOATS(FAST, G, longest));   \
+        float *scores = malloc(sizeof(float) * (size_t)((FAST) ? FAST_SCRATCH(G, longest)    \
+                                                               : SCRATCH(G, longest)));      \
         if (!scores) failed = 1;                                                             \
         _Pragma("omp for schedule(static)")                                                  \
         for (int64_t w = lo; w < hi; ++w) {                                                  \
@@ -84,11 +87,11 @@ int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const
                 FAST_ITEM(pool, page_table + b * max_pages, kv_lens[b], q + off, out + off,   \
                           layer, L, H, h, G, S, D, scale, scores);                            \
             else if (D == 64)                                                                \
-                NAME##_d64(pool, page_table + b * max_pages, kv_lens[b], q + off, out + off,  \
-                           layer, L, H, h, G, S, 0, scale, scores);                          \
+                ITEM(64)(pool, page_table + b * max_pages, kv_lens[b], q + off, out + off,    \
+                         layer, L, H, h, G, S, scale, scores);                               \
             else                                                                             \
-                NAME##_d128(pool, page_table + b * max_pages, kv_lens[b], q + off, out + off, \
-                            layer, L, H, h, G, S, 0, scale, scores);                         \
+                ITEM(128)(pool, page_table + b * max_pages, kv_lens[b], q + off, out + off,   \
+                          layer, L, H, h, G, S, scale, scores);                              \
         }                                                                                    \
         free(scores);                                                                        \
     }                                                                                        \
@@ -96,16 +99,35 @@ int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const
 }
 
 #ifdef KVRELAY_FAST_DECODE
-#define SCRATCH_FLOATS(FAST, G, n) ((FAST) ? fast_scratch_floats(G, n) : (G) * (n))
+#define FAST_SCRATCH(G, n) fast_scratch_floats(G, n)
 #define FAST_ITEM(pool, pages, n, q, out, ...) \
     fast_item((const uint16_t *)(pool), pages, n, (const uint16_t *)(q), (uint16_t *)(out), __VA_ARGS__)
-DEFINE_KERNEL(paged_decode_bf16, uint16_t, bf16_load, bf16_round, 1)
+#define BF16_FAST 1
 #else
-#define SCRATCH_FLOATS(FAST, G, n) ((G) * (n))
+#define FAST_SCRATCH(G, n) 0
 #define FAST_ITEM(...) (void)0
-DEFINE_KERNEL(paged_decode_bf16, uint16_t, bf16_load, bf16_round, 0)
+#define BF16_FAST 0
 #endif
-DEFINE_KERNEL(paged_decode_f32, float, F32_LOAD, F32_STORE, 0)
+
+#ifdef KVRELAY_VEC   /* paged_attention_f32.h: vector items, bfloat16 widened on load */
+DEFINE_DEC_ITEM(dec_f32_64, float, VLOADF, F32_LOAD, F32_STORE, 64)
+DEFINE_DEC_ITEM(dec_f32_128, float, VLOADF, F32_LOAD, F32_STORE, 128)
+DEFINE_DEC_ITEM(dec_bf16_64, uint16_t, VLOAD_BF16, bf16_load, bf16_round, 64)
+DEFINE_DEC_ITEM(dec_bf16_128, uint16_t, VLOAD_BF16, bf16_load, bf16_round, 128)
+#define ITEM_F32(D) dec_f32_##D
+#define ITEM_BF16(D) dec_bf16_##D
+#define ITEM_SCRATCH(G, n) dec_scratch_floats(G, n)
+#else                /* portable scalar items */
+DEFINE_ITEM(dec_f32_64, float, F32_LOAD, F32_STORE, 64)
+DEFINE_ITEM(dec_f32_128, float, F32_LOAD, F32_STORE, 128)
+DEFINE_ITEM(dec_bf16_64, uint16_t, bf16_load, bf16_round, 64)
+DEFINE_ITEM(dec_bf16_128, uint16_t, bf16_load, bf16_round, 128)
+#define ITEM_F32(D) dec_f32_##D
+#define ITEM_BF16(D) dec_bf16_##D
+#define ITEM_SCRATCH(G, n) ((G) * (n))
+#endif
+DEFINE_KERNEL(paged_decode_bf16, uint16_t, BF16_FAST, ITEM_BF16, ITEM_SCRATCH)
+DEFINE_KERNEL(paged_decode_f32, float, 0, ITEM_F32, ITEM_SCRATCH)
 
 /* Prefill attention from the pool: B sequences, sequence b with kv_lens[b] keys whose
  * last q_lens[b] are queries at rows q_rows[b].. of q (rows q_stride elements apart); out

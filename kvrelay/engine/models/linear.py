@@ -10,7 +10,9 @@ float32 compute (every variant, `kernels/gemm_wide.c`, weights stored as bfloat1
 float32): up to GEMM_MAX_ROWS rows the native kernel, else oneDNN pre-packed from the
 same (bfloat16-rounded) values. Against F.linear on float32 weights, the default model's
 matmuls at 32 rows took ~40 ms against ~110 (oneDNN pre-packed: ~40), at one row 8 ms
-against 14 (shared, noisy cores: ratios, not absolutes).
+against 14 (shared, noisy cores: ratios, not absolutes). The AVX2 variant's kernel takes
+every row count (`WideGemm.all_rows`) and no oneDNN copy is kept: on a Zen 2 it ran the
+default model's shapes at 190-210 GFLOPS from 32 to 2,048 rows, oneDNN at 120-158.
 With AMX (Sapphire Rapids and later; cpuid amx_bf16), oneDNN runs bfloat16 matmuls on the
 tile unit, and from 16 rows it beats the native kernel: the default model's matmuls took
 5.6 ms against 9.6 at 16 rows, 7.1 against 18.6 at 32, 8.8 against 60 at 128, and
@@ -19,6 +21,7 @@ takes bfloat16 matmuls only up to AMX_NATIVE_MAX_ROWS rows.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -33,6 +36,7 @@ from kvrelay.engine.models.quant_linear import QuantWeight, quant_forward, quant
 # oneDNN weight packing: the packed layout serves every row count; 32 is only its tuning hint.
 _PACK_HINT_ROWS = 32
 GEMM_MAX_ROWS = 128
+ALL_ROWS = sys.maxsize
 AMX_NATIVE_MAX_ROWS = 8
 REFINE_TOP = 8
 
@@ -66,6 +70,12 @@ class PackedWeight:
     bias32: torch.Tensor | None      # float32 bias for the native kernel (padded for WideGemm)
     out_features: int
     wide: bool = False               # native is WideGemm's: float32 activations and output
+    native_rows: int = GEMM_MAX_ROWS  # most rows the native kernel takes; oneDNN the rest
+
+    @property
+    def serves_every_row_count(self) -> bool:
+        """Whether fast_linear never needs the float weight (module docstring)."""
+        return self.native is not None and (self.onednn is not None or self.native_rows == ALL_ROWS)
 
 
 def pack_weight(w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -81,7 +91,8 @@ def pack_weight(w: torch.Tensor, bias: torch.Tensor | None = None,
     g = gemm()
     native = g.pack(w) if g is not None else None
     bias32 = bias.detach().float().contiguous() if bias is not None and native is not None else None
-    return PackedWeight(onednn, native, bias32, w.shape[0])
+    rows = AMX_NATIVE_MAX_ROWS if onednn is not None and amx_bf16() else GEMM_MAX_ROWS
+    return PackedWeight(onednn, native, bias32, w.shape[0], native_rows=rows)
 
 
 @lru_cache(maxsize=1)
@@ -93,19 +104,19 @@ def _onednn_bf16() -> bool:
 
 def _pack_float32(w: torch.Tensor, bias: torch.Tensor | None, as_bf16: bool) -> PackedWeight:
     stored = w.bfloat16() if as_bf16 else w
-    onednn = (torch.ops.mkldnn._reorder_linear_weight(stored.float() if as_bf16 else w, _PACK_HINT_ROWS)
-              if torch.backends.mkldnn.is_available() else None)
     g = wide_gemm()
     native = g.pack(stored) if g is not None else None
     bias32 = g.pad_bias(bias) if g is not None else None
+    if g is not None and g.all_rows:
+        return PackedWeight(None, native, bias32, w.shape[0], wide=True, native_rows=ALL_ROWS)
+    onednn = (torch.ops.mkldnn._reorder_linear_weight(stored.float() if as_bf16 else w, _PACK_HINT_ROWS)
+              if torch.backends.mkldnn.is_available() else None)
     return PackedWeight(onednn, native, bias32, w.shape[0], wide=True)
 
 
 def native_max_rows(packed: PackedWeight) -> int:
     """Most rows the native kernel takes for `packed`; oneDNN takes more (module docstring)."""
-    if packed.onednn is not None and not packed.wide and amx_bf16():
-        return AMX_NATIVE_MAX_ROWS
-    return GEMM_MAX_ROWS
+    return packed.native_rows
 
 
 def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -169,7 +180,7 @@ class Linear(nn.Linear):
             return
         self.packed = pack_weight(self.weight, self.bias, fmt)
         p = self.packed
-        if p is not None and p.wide and p.native is not None and p.onednn is not None:
+        if p is not None and p.wide and p.serves_every_row_count:
             # float32 compute reads only the packed copies from now on (fast_linear)
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
