@@ -390,8 +390,8 @@ def test_serve_starts_its_workers_serves_and_a_signal_stops_every_child(serve, s
     assert "Traceback" not in err, err
     for role in ("prefill", "decode"):
         line = re.search(rf"\[{role}-0\] kvrelay {role}: model {model} \((.*?)\), KV capacity 4096 tokens", err)
-        assert line is not None and line[1] == (f"float32, kernels {kernels.isa()}, weights same, attention "
-                                                f"{attention.resolve('auto', 'cpu', torch.float32)}"), err
+        assert line is not None and line[1] == (f"float32, kernels {kernels.isa()}, weights same, KV cache float32, "
+                                                f"attention {attention.resolve('auto', 'cpu', torch.float32)}"), err
     assert "outcome=success reason=length" in err
     # progress while it starts, in order: the workers and their ports, each worker ready
     progress = [ln.split(" INFO kvrelay.serve ", 1)[1] for ln in err.splitlines() if " INFO kvrelay.serve " in ln]

@@ -114,12 +114,13 @@ def test_dtype_auto_is_bfloat16_only_where_the_cpu_computes_it(tiny_llama_dir, v
     native_bf16 = variant == "avx512_bf16"
     dtype = "bfloat16" if native_bf16 else "float32"
     assert loaded.compute_info() == {"device": "cpu", "kernels": variant, "dtype": dtype, "weights": "same" if native_bf16 else "bf16",
-                                     "attention": attention.resolve("auto", "cpu", getattr(torch, dtype))}
+                                     "kv_cache": "bfloat16", "attention": attention.resolve("auto", "cpu", getattr(torch, dtype))}
     if not os.environ.get(attention.ENV):   # --kernels torch runs no native attention either
         assert loaded.attention_backend == ("torch_ref" if variant == "torch" else "cpu_native")
-    assert f"kernels {variant}" in startup_line("colocated", loaded, 64, "http://x")
+    line = startup_line("colocated", loaded.compute_info(), loaded.name, 64, "http://x")
+    assert f"kernels {variant}" in line and "KV cache bfloat16" in line
     explicit = _tiny(tiny_llama_dir, kernels=variant, dtype="float32")
-    assert explicit.compute_info()["weights"] == "same"
+    assert explicit.compute_info()["weights"] == "same" and explicit.compute_info()["kv_cache"] == "float32"
 
 
 def test_health_reports_what_computes(tiny_engine):
@@ -129,5 +130,5 @@ def test_health_reports_what_computes(tiny_engine):
     import httpx
     with serving(colocated_app(tiny_engine)) as url:
         health = httpx.get(f"{url}/health", timeout=30).json()
-    assert health == {"status": "ok", **tiny_engine.core.loaded.compute_info()}
+    assert health == {"status": "ok", **tiny_engine.core.loaded.compute_info(), "kv_cache": "float32"}
     assert health["kernels"] == kernels.isa() and health["dtype"] == "float32"

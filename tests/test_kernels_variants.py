@@ -69,49 +69,52 @@ def keys_values(pool, page_table, b, n, layer, H, S, D):
 # (page size, head dim, query heads per kv head, kv lengths): odd lengths, partial pages.
 SHAPES = [(4, 64, 3, [1, 5, 17, 33]), (16, 64, 8, [16, 31, 100]), (16, 128, 5, [7, 48, 129]),
           (8, 128, 1, [2, 15, 64]), (16, 64, 16, [1, 40, 77])]
-TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}   # by the queries' dtype
+# (pool, queries): each compute dtype's own pool, and a float32 model's bfloat16 pool.
+POOL_QUERY = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,q_dtype", POOL_QUERY)
 @pytest.mark.parametrize("S,D,G,lens", SHAPES)
-def test_decode_attention(variant, dtype, S, D, G, lens):
+def test_decode_attention(variant, dtype, q_dtype, S, D, G, lens):
     if variant is None:
         return
     kernel = kernels.paged_decode()
-    assert kernel.supports(dtype, D, G)
+    assert kernel.supports(dtype, D, G, q_dtype) and not kernel.supports(torch.float32, D, G, torch.bfloat16)
     gen = torch.Generator().manual_seed(10)
     H = 2
     pool, page_table, kv_lens = make_pool(gen, dtype, lens, S, D, H)
-    q = torch.randn(len(lens), H * G, D, generator=gen).to(dtype)
+    q = torch.randn(len(lens), H * G, D, generator=gen).to(q_dtype)
     out = kernel(pool, page_table, kv_lens, q, layer=1, num_kv_heads=H, page_size=S, scale=D ** -0.5)
+    assert out.dtype == q_dtype
     for b, n in enumerate(lens):
         k, v = keys_values(pool, page_table, b, n, 1, H, S, D)
         want = F.scaled_dot_product_attention(q[b].float().view(H * G, 1, D), k, v, enable_gqa=True).view(H * G, D)
-        assert (out[b].float() - want).abs().max().item() < TOL[dtype]
+        assert (out[b].float() - want).abs().max().item() < TOL[q_dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,q_dtype", POOL_QUERY)
 @pytest.mark.parametrize("S,D,G,lens", SHAPES)
-def test_prefill_attention(variant, dtype, S, D, G, lens):
+def test_prefill_attention(variant, dtype, q_dtype, S, D, G, lens):
     if variant is None:
         return
     kernel = kernels.paged_prefill()
-    assert kernel.supports(dtype, D, G)
+    assert kernel.supports(dtype, D, G, q_dtype) and not kernel.supports(torch.float32, D, G, torch.bfloat16)
     gen = torch.Generator().manual_seed(11)
     H = 2
     pool, page_table, kv_lens = make_pool(gen, dtype, lens, S, D, H)
     q_lens = torch.tensor([min(n, 1 + n // 2 + b) for b, n in enumerate(lens)], dtype=torch.int64)  # prefix + chunk
     q_rows = torch.cumsum(q_lens, 0) - q_lens
-    q = torch.randn(int(q_lens.sum()), H * G + 2 * H, D, generator=gen).to(dtype)[:, : H * G]  # strided rows
+    q = torch.randn(int(q_lens.sum()), H * G + 2 * H, D, generator=gen).to(q_dtype)[:, : H * G]  # strided rows
     out = kernel(pool, page_table, kv_lens, q_lens, q_rows, q, 2, H, S, D ** -0.5)
-    assert out.dtype == dtype
+    assert out.dtype == q_dtype
     for b, n in enumerate(lens):
         m, r0 = int(q_lens[b]), int(q_rows[b])
         k, v = keys_values(pool, page_table, b, n, 2, H, S, D)
         mask = torch.arange(n)[None, :] <= (n - m + torch.arange(m))[:, None]
         want = F.scaled_dot_product_attention(q[r0:r0 + m].float().transpose(0, 1), k, v, attn_mask=mask,
                                               enable_gqa=True).transpose(0, 1)
-        assert (out[r0:r0 + m].float() - want).abs().max().item() < TOL[dtype]
+        assert (out[r0:r0 + m].float() - want).abs().max().item() < TOL[q_dtype]
 
 
 @pytest.mark.parametrize("stored", [torch.bfloat16, torch.float32])
@@ -181,6 +184,13 @@ def test_elementwise_float32(variant):
     ew.rope_(got, 4, rope.table(positions.device), positions, (slots, slot_ids, 1, 3, 50))
     assert torch.allclose(got[:, :4], want, atol=1e-5) and torch.equal(got[:, 4:], qkv[:, 4:])
     assert torch.equal(slots[slot_ids + 3], got[:, 3]) and torch.equal(slots[slot_ids + 53], qkv[:, 4])
+    # A float32 model's bfloat16 pool: the same rotation, keys and values rounded as stored.
+    slots16, again = torch.zeros(100, 64, dtype=torch.bfloat16), qkv.clone()
+    assert ew.stores(torch.float32, torch.bfloat16) and not ew.stores(torch.bfloat16, torch.float32)
+    ew.rope_(again, 4, rope.table(positions.device), positions, (slots16, slot_ids, 1, 3, 50))
+    assert torch.equal(again, got)
+    assert torch.equal(slots16[slot_ids + 3], got[:, 3].bfloat16())
+    assert torch.equal(slots16[slot_ids + 53], qkv[:, 4].bfloat16())
     x = torch.randn(9, 5003, generator=gen)
     assert torch.equal(ew.argmax(x), x.argmax(dim=-1))
     assert torch.equal(x.gather(1, ew.topk_indices(x, 7)), x.topk(7, dim=-1).values)

@@ -56,21 +56,26 @@ class ModelOptions:
     seed: int = _f(0, "seed for random-weight models")
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
     page_size: int = _f(16, "tokens per KV page")
     max_kv_tokens: int | None = _f(None, "KV capacity in tokens (overrides --kv-cache-gb)")
     kv_cache_gb: float = _f(1.0, "KV capacity in GiB when --max-kv-tokens is not given")
-    kv_cache_dtype: str = _f("auto", "how the KV cache stores keys and values: auto (the compute dtype), or "
-                             "8-bit with a float32 scale per token and head (about half the bytes per token: "
-                             "twice the capacity, half the transfer); prefill and decode workers must agree",
-                             choices=("auto", "int8", "fp8_e4m3"))
+    kv_cache_dtype: str = _f("auto", "how the KV cache stores keys and values: auto (bfloat16 where --dtype auto "
+                             "computes float32, on a CPU without AVX-512 BF16: half the bytes each decode step "
+                             "reads; else the compute dtype), bfloat16, float32 (with --dtype float32 only), or "
+                             "8-bit with a float32 scale per token and head (about half the bytes per token of "
+                             "bfloat16); prefill and decode workers must agree",
+                             choices=KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
         _require(self.page_size >= 1, "--page-size must be at least 1")
         _require(self.max_kv_tokens is None or self.max_kv_tokens >= 1, "--max-kv-tokens must be at least 1")
         _require(self.kv_cache_gb > 0, "--kv-cache-gb must be positive")
-        _require(self.kv_cache_dtype in ("auto", "int8", "fp8_e4m3"), "--kv-cache-dtype must be auto, int8 or fp8_e4m3")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
 
 
 QUEUE_ORDERS = ("fcfs", "shortest-first")

@@ -43,10 +43,25 @@ def _last_token(req: Req) -> int:
 
 
 def kv_layout_for(loaded, page_size: int, kv_dtype: str = "auto") -> KVLayout:
+    """The pool's layout for --kv-cache-dtype `kv_dtype`; ValueError (one line) for a
+    pairing the kernels do not read: a float32 cache under bfloat16 compute, or a
+    bfloat16 cache under float32 compute off the CPU."""
     arch = loaded.arch
+    stored = (loaded.kv_cache or loaded.dtype) if kv_dtype == "auto" else kv_dtype
+    if stored == "float32" and loaded.dtype != "float32":
+        raise ValueError(f"--kv-cache-dtype float32 needs float32 compute (the model computes {loaded.dtype}); "
+                         "add --dtype float32 or use --kv-cache-dtype auto")
+    if stored == "bfloat16" and loaded.dtype == "float32" and loaded.device != "cpu":
+        raise ValueError("--kv-cache-dtype bfloat16 under float32 compute runs on the CPU only; "
+                         "use --kv-cache-dtype auto or --dtype bfloat16")
     return KVLayout(model_id=loaded.name, dtype=loaded.dtype, page_size=page_size,
                     num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-                    kv_dtype="" if kv_dtype == "auto" else kv_dtype)
+                    kv_dtype=stored)
+
+
+def compute_info(loaded, layout: KVLayout) -> dict[str, str]:
+    """What computes (`LoadedModel.compute_info`), with the KV cache this engine built."""
+    return {**loaded.compute_info(), "kv_cache": layout.kv_dtype}
 
 
 def num_pages_for(cfg: KVCacheConfig, layout: KVLayout) -> int:

@@ -66,7 +66,7 @@ class KVPool:
     def _views(self, flat: torch.Tensor) -> None:
         num_pages, layout = self.num_pages, self.layout
         L, S, H, D = layout.num_layers, layout.page_size, layout.num_kv_heads, layout.head_dim
-        self.data = flat.view(TORCH_DTYPES[layout.dtype]).view(num_pages, L, 2, H, S, D)
+        self.data = flat.view(TORCH_DTYPES[layout.kv_dtype]).view(num_pages, L, 2, H, S, D)
         # One row per (page, layer, K|V, head): a head's keys or values for a whole page.
         # Writes address single token slots inside those rows; gathers take whole rows.
         self._rows = self.data.view(num_pages * L * 2 * H, S, D)
@@ -90,14 +90,20 @@ class KVPool:
         L, H = self.layout.num_layers, self.layout.num_kv_heads
         return ((page_table.flatten() * (L * 2 * H))[None, :] + self._heads[:, None]).flatten()
 
-    def write(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]] | None:
         """Store k, v [T, H, D] at `slot_ids` (from `slot_ids()`) of `layer`. None: the cache
-        holds them exactly (an 8-bit pool returns a function that gives what it holds)."""
+        holds them exactly; else a function that gives what it holds (rounded to a bfloat16
+        pool under float32 compute; an 8-bit pool's dequantized)."""
         slots, k_base, v_off = self.store_target(layer)
         D = self.layout.head_dim
         k_slots = slot_ids + k_base
-        slots.index_copy_(0, k_slots, k.reshape(-1, D).to(slots.dtype))
-        slots.index_copy_(0, k_slots + v_off, v.reshape(-1, D).to(slots.dtype))
+        k_held, v_held = k.to(slots.dtype), v.to(slots.dtype)
+        slots.index_copy_(0, k_slots, k_held.reshape(-1, D))
+        slots.index_copy_(0, k_slots + v_off, v_held.reshape(-1, D))
+        if slots.dtype == k.dtype:
+            return None
+        return lambda: (k_held.to(k.dtype), v_held.to(k.dtype))
 
     def store_target(self, layer: int) -> tuple[torch.Tensor, int, int]:
         """For a writer that stores K/V itself with `write`'s addressing: (the pool as slot

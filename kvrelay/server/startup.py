@@ -173,11 +173,12 @@ def load_with_progress(load_model, opts):
             raise SystemExit(1) from None
 
 
-def startup_line(role: str, loaded, kv_tokens: int, url: str) -> str:
-    info = loaded.compute_info()
+def startup_line(role: str, info: dict[str, str], model: str, kv_tokens: int, url: str) -> str:
+    """The line a server prints once it serves; `info` is what computes (`compute_info`)."""
     where = "" if info["device"] == "cpu" else f"on {info['device']}, "
-    return (f"kvrelay {role}: model {loaded.name} ({where}{info['dtype']}, kernels {info['kernels']}, weights "
-            f"{info['weights']}, attention {info['attention']}), KV capacity {kv_tokens} tokens, serving on {url}")
+    return (f"kvrelay {role}: model {model} ({where}{info['dtype']}, kernels {info['kernels']}, weights "
+            f"{info['weights']}, KV cache {info['kv_cache']}, attention {info['attention']}), "
+            f"KV capacity {kv_tokens} tokens, serving on {url}")
 
 
 def stop_on_sigterm() -> None:

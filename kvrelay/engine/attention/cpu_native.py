@@ -1,5 +1,5 @@
 """`cpu_native`: the native CPU kernels (`engine.kernels`): RoPE fused with the K/V store,
-paged decode (bfloat16, float32, 8-bit pools) and paged prefill, reading the pool in place;
+paged decode (bfloat16, float32, 8-bit pools, and a float32 model's bfloat16 pool) and paged prefill, reading the pool in place;
 bfloat16 prefill on AMX tiles through torch's flash attention; torch paths for the passes
 and shapes no kernel takes (gathered pages under a mask, or the fresh K/V causally)."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ from kvrelay.engine.attention.base import AttentionBackend, AttentionMetadata, a
 from kvrelay.engine.forward import ForwardBatch
 from kvrelay.engine.kernels import PagedDecode, PagedPrefill, amx_bf16, elementwise, paged_decode, paged_prefill
 from kvrelay.engine.kernels.kvq import PagedDecodeQ8, paged_decode_q8
+from kvrelay.engine.kv_pool import TORCH_DTYPES
 
 # With AMX, torch's flash attention runs a bfloat16 prefill on the tiles: the default model's
 # 30 layers over one 2,048-token prompt took 0.7 s against 3.6 s in the native kernel (which
@@ -63,17 +64,18 @@ class CpuNativeBackend(AttentionBackend):
     def begin(self, batch: ForwardBatch, rope: torch.Tensor) -> NativeMetadata:
         decode = max(batch.q_lens) == 1 and not batch.no_prefix
         L, dtype, group = self.kv.layout, self.kv.data.dtype, self.group
+        compute = TORCH_DTYPES[L.dtype]   # the queries'; the pool may hold bfloat16 under float32
         if L.quantized:  # 8-bit pool: its own decode kernel; other passes gather and dequantize
             native, prefill = paged_decode_q8() if decode else None, None
             if native is not None and not native.supports(L.head_dim, group):
                 native = None
         else:
             native = paged_decode() if decode else None
-            if native is not None and not native.supports(dtype, L.head_dim, group):
+            if native is not None and not native.supports(dtype, L.head_dim, group, compute):
                 native = None
             prefill = paged_prefill() if native is None else None
-            if prefill is not None and (not prefill.supports(dtype, L.head_dim, group)
-                                        or prefill_on_tiles(batch, dtype)):
+            if prefill is not None and (not prefill.supports(dtype, L.head_dim, group, compute)
+                                        or prefill_on_tiles(batch, compute)):
                 prefill = None
         # Only the torch path over the pool reads keys by row, under the mask.
         gathered = not batch.no_prefix and native is None and prefill is None
@@ -91,11 +93,11 @@ class CpuNativeBackend(AttentionBackend):
     def rope_and_store(self, qkv: torch.Tensor, layer: int,
                        meta: NativeMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One native pass, in place (q and k are views of qkv), where the pool holds the
-        compute dtype. An 8-bit pool quantizes on store, and a pass over its own fresh keys
+        compute dtype or, under float32, bfloat16. An 8-bit pool quantizes on store, and a pass over its own fresh keys
         then reads them as the pool holds them (dequantized)."""
         hq, hkv = self.num_heads, self.num_kv_heads
         ew = elementwise()
-        if (ew is not None and qkv.dtype == self.kv.data.dtype and ew.supports(qkv.dtype)
+        if (ew is not None and ew.stores(qkv.dtype, self.kv.data.dtype) and ew.supports(qkv.dtype)
                 and qkv.shape[-1] <= ew.MAX_ROPE_DIM):
             slots, k_base, v_off = self.kv.store_target(layer)
             ew.rope_(qkv, hq + hkv, meta.rope_table, meta.batch.positions,
@@ -115,9 +117,9 @@ class CpuNativeBackend(AttentionBackend):
             out = meta.native(kv.data, kv.scales, b.page_table, meta.kv_lens, q, layer, self.scale)
             return out.view(-1, Hq * D).to(q.dtype)
         if meta.native is not None:  # decode: q rows are already one per sequence
-            out = meta.native(kv.data, b.page_table, meta.kv_lens, q.to(kv.data.dtype), layer,
+            out = meta.native(kv.data, b.page_table, meta.kv_lens, q, layer,
                               self.num_kv_heads, kv.layout.page_size, self.scale)
-            return out.view(-1, Hq * D).to(q.dtype)
+            return out.view(-1, Hq * D)
         if meta.prefill is not None:  # every query row reads its keys from the pool
             out = meta.prefill(kv.data, b.page_table, meta.kv_lens, meta.q_lens, meta.q_rows, q, layer,
                                self.num_kv_heads, kv.layout.page_size, self.scale)

@@ -17,6 +17,11 @@ from kvrelay.engine.kernels.variants import (  # noqa: F401  (the kernels' publi
 _I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
+# (pool dtype, query dtype) pairs with a kernel: the compute dtype's own pool, and a float32
+# model's bfloat16 pool (`--kv-cache-dtype bfloat16`), read widened with float32 queries.
+_POOL_QUERY = ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.float32))
+
+
 class PagedDecode:
     """`__call__` computes one layer's decode attention from the pool (see the C source for
     the layout). It reads keys and values once, in place, on torch's own OpenMP threads,
@@ -26,23 +31,25 @@ class PagedDecode:
     max_group = 16
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fns = {torch.bfloat16: lib.paged_decode_bf16, torch.float32: lib.paged_decode_f32}
+        self._fns = dict(zip(_POOL_QUERY, (lib.paged_decode_bf16, lib.paged_decode_f32, lib.paged_decode_bf16kv_f32)))
         for fn in self._fns.values():
             fn.restype = ctypes.c_int
             fn.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _I64]
 
-    def supports(self, dtype: torch.dtype, head_dim: int, group: int) -> bool:
-        return dtype in self._fns and head_dim in self.head_dims and group <= self.max_group
+    def supports(self, dtype: torch.dtype, head_dim: int, group: int, q_dtype: torch.dtype | None = None) -> bool:
+        """Whether a pool of `dtype` and queries of `q_dtype` (default: the pool's) have a kernel."""
+        return ((dtype, q_dtype or dtype) in self._fns and head_dim in self.head_dims
+                and group <= self.max_group)
 
     def __call__(self, pool: torch.Tensor, page_table: torch.Tensor, kv_lens: torch.Tensor, q: torch.Tensor,
                  layer: int, num_kv_heads: int, page_size: int, scale: float) -> torch.Tensor:
         """pool [pages, L, 2, H, S, D]; page_table [B, P] int64; kv_lens [B] int64;
-        q [B, Hq, D] in the pool's dtype -> out [B, Hq, D]."""
+        q [B, Hq, D] (a dtype `supports`) -> out [B, Hq, D] in q's dtype."""
         B, Hq, D = q.shape
         L, H = pool.shape[1], num_kv_heads
         q = q.contiguous()
         out = torch.empty_like(q)
-        rc = self._fns[pool.dtype](pool.data_ptr(), page_table.data_ptr(), kv_lens.data_ptr(), q.data_ptr(),
+        rc = self._fns[pool.dtype, q.dtype](pool.data_ptr(), page_table.data_ptr(), kv_lens.data_ptr(), q.data_ptr(),
                                    out.data_ptr(), page_table.shape[1], layer, L, H, Hq // H, page_size, D,
                                    scale, 0, B * H)
         if rc != 0:
@@ -62,25 +69,28 @@ class PagedPrefill:
     max_group = 16
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fns = {torch.bfloat16: lib.paged_prefill_bf16, torch.float32: lib.paged_prefill_f32}
+        self._fns = dict(zip(_POOL_QUERY, (lib.paged_prefill_bf16, lib.paged_prefill_f32,
+                                           lib.paged_prefill_bf16kv_f32)))
         for fn in self._fns.values():
             fn.restype = ctypes.c_int
             fn.argtypes = [_P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32]
 
-    def supports(self, dtype: torch.dtype, head_dim: int, group: int) -> bool:
-        return dtype in self._fns and head_dim in self.head_dims and group <= self.max_group
+    def supports(self, dtype: torch.dtype, head_dim: int, group: int, q_dtype: torch.dtype | None = None) -> bool:
+        """Whether a pool of `dtype` and queries of `q_dtype` (default: the pool's) have a kernel."""
+        return ((dtype, q_dtype or dtype) in self._fns and head_dim in self.head_dims
+                and group <= self.max_group)
 
     def __call__(self, pool: torch.Tensor, page_table: torch.Tensor, kv_lens: torch.Tensor, q_lens: torch.Tensor,
                  q_rows: torch.Tensor, q: torch.Tensor, layer: int, num_kv_heads: int, page_size: int,
                  scale: float) -> torch.Tensor:
         """pool [pages, L, 2, H, S, D]; page_table [B, P], kv_lens, q_lens, q_rows [B] int64
         (sequence b's queries are rows q_rows[b].. of q, the last q_lens[b] of its kv_lens[b]
-        positions); q [T, Hq, D] in the pool's dtype with contiguous rows -> out [T, Hq, D]."""
+        positions); q [T, Hq, D] (a dtype `supports`) with contiguous rows -> out [T, Hq, D]."""
         T, Hq, D = q.shape
-        assert q.dtype == pool.dtype and q.stride(2) == 1 and q.stride(1) == D
+        assert (pool.dtype, q.dtype) in self._fns and q.stride(2) == 1 and q.stride(1) == D
         out = q.new_empty(T, Hq, D)
         H = num_kv_heads
-        rc = self._fns[pool.dtype](pool.data_ptr(), page_table.data_ptr(), kv_lens.data_ptr(), q_lens.data_ptr(),
+        rc = self._fns[pool.dtype, q.dtype](pool.data_ptr(), page_table.data_ptr(), kv_lens.data_ptr(), q_lens.data_ptr(),
                                    q_rows.data_ptr(), q.data_ptr(), q.stride(0), out.data_ptr(), page_table.shape[0],
                                    page_table.shape[1], layer, pool.shape[1], H, Hq // H, page_size, D, scale)
         if rc != 0:
@@ -134,29 +144,38 @@ class Elementwise:
             fn.restype, fn.argtypes = None, [_P, _P, _P, _P, _I64, _I64, _F32]
         for fn in self._silu.values():
             fn.restype, fn.argtypes = None, [_P, _P, _I64, _I64]
-        self._rope = {torch.bfloat16: lib.rope_bf16, torch.float32: lib.rope_f32}
+        # (x dtype, KV pool dtype) -> RoPE that also stores the keys and values
+        self._rope = {(torch.bfloat16, torch.bfloat16): lib.rope_bf16, (torch.float32, torch.float32): lib.rope_f32,
+                      (torch.float32, torch.bfloat16): lib.rope_f32_kv_bf16}
         for fn in self._rope.values():
             fn.restype, fn.argtypes = None, [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64]
         self._argmax, self._topk = lib.argmax_rows_f32, lib.topk_rows_f32
         self._argmax.restype, self._argmax.argtypes = None, [_P, _I64, _I64, _P]
         self._topk.restype, self._topk.argtypes = None, [_P, _I64, _I64, _I64, _P]
 
+    def stores(self, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+        """Whether `rope_` rotates x of `dtype` and stores into a pool of `kv_dtype`."""
+        return (dtype, kv_dtype) in self._rope
+
     def rope_(self, x: torch.Tensor, heads: int, table: torch.Tensor, positions: torch.Tensor,
               store: tuple[torch.Tensor, torch.Tensor, int, int, int] | None = None) -> None:
         """Rotate the first `heads` heads of x [T, H, D] (bfloat16 or float32, rows contiguous) in place
         by the float32 cos/sin table [max_positions, 2, D] at `positions` [T] (int64).
-        `store` = (slots [N, D] in x's dtype, slot_ids [T * hkv] int64, hkv, k_base, v_off) also
-        copies the keys (the last hkv rotated heads) to slots[slot_ids + k_base] and the
-        values (the hkv heads after them) to slots[slot_ids + k_base + v_off]."""
+        `store` = (slots [N, D] in a dtype `stores` pairs with x's, slot_ids [T * hkv] int64,
+        hkv, k_base, v_off) also copies the keys (the last hkv rotated heads) to
+        slots[slot_ids + k_base] and the values (the hkv heads after them) to
+        slots[slot_ids + k_base + v_off], rounded to bfloat16 for a bfloat16 pool."""
         T, _, D = x.shape
-        assert x.dtype in self._rope and x.stride(2) == 1 and x.stride(1) == D and table.is_contiguous()
+        assert x.stride(2) == 1 and x.stride(1) == D and table.is_contiguous()
         assert D <= self.MAX_ROPE_DIM and D % 2 == 0
         positions = positions.contiguous()
         slots, slot_ids, hkv, k_base, v_off = store if store is not None else (None, None, 0, 0, 0)
+        kv_dtype = x.dtype if slots is None else slots.dtype
+        assert self.stores(x.dtype, kv_dtype)
         if slots is not None:
-            assert slots.dtype == x.dtype and slots.is_contiguous() and slot_ids.is_contiguous()
+            assert slots.is_contiguous() and slot_ids.is_contiguous()
             assert x.shape[1] >= heads + hkv and slot_ids.numel() == T * hkv
-        self._rope[x.dtype](x.data_ptr(), table.data_ptr(), positions.data_ptr(), T, x.stride(0), heads, D,
+        self._rope[x.dtype, kv_dtype](x.data_ptr(), table.data_ptr(), positions.data_ptr(), T, x.stride(0), heads, D,
                    None if slots is None else slots.data_ptr(), None if slot_ids is None else slot_ids.data_ptr(),
                    hkv, k_base, v_off)
 

@@ -3,7 +3,7 @@
  *   add_rms_norm: h <- h + delta (rounded to the storage dtype, as an unfused add would
  *                 be), out <- rmsnorm(h) * weight. delta may be NULL (plain RMSNorm).
  *   silu_mul:     out[r, i] <- silu(gate_up[r, i]) * gate_up[r, inter + i].
- *   rope_bf16, rope_f32, argmax_rows_f32, topk_rows_f32: see each function.
+ *   rope_bf16, rope_f32, rope_f32_kv_bf16, argmax_rows_f32, topk_rows_f32: see each function.
  */
 #include <math.h>
 #include <stdint.h>
@@ -90,32 +90,42 @@ void rope_bf16(uint16_t *x, const float *table, const int64_t *pos, int64_t rows
     }
 }
 
-/* rope_bf16 for float32 x and slots, rounding nowhere (as the float32 torch ops). */
-void rope_f32(float *x, const float *table, const int64_t *pos, int64_t rows, int64_t row_stride,
-              int64_t heads, int64_t dim, float *slots, const int64_t *slot_ids, int64_t hkv,
-              int64_t k_base, int64_t v_off) {
-    const int64_t half = dim / 2;
-    _Pragma("omp parallel for schedule(static) if(rows * heads * dim >= 65536)")
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *c = table + pos[r] * 2 * dim, *s = c + dim;
-        float *row = x + r * row_stride;
-        for (int64_t h = 0; h < heads; ++h) {
-            float *v = row + h * dim;
-            for (int64_t d = 0; d < half; ++d) {
-                const float a = v[d], b = v[d + half];
-                v[d] = a * c[d] - b * s[d];
-                v[d + half] = b * c[d + half] + a * s[d + half];
-            }
-        }
-        if (slots) {
-            for (int64_t h = 0; h < hkv; ++h) {
-                const int64_t slot = slot_ids[r * hkv + h] + k_base;
-                memcpy(slots + slot * dim, row + (heads - hkv + h) * dim, (size_t)dim * sizeof(float));
-                memcpy(slots + (slot + v_off) * dim, row + (heads + h) * dim, (size_t)dim * sizeof(float));
-            }
-        }
-    }
+/* rope_bf16 for float32 x, rounding nowhere (as the float32 torch ops); the slots hold
+ * float32, or bfloat16 (SLOT_BF16: a float32 model's bfloat16 KV cache, each key and value
+ * rounded once, as it is stored). */
+#define DEFINE_ROPE_F32(NAME, TS, SLOT_STORE)                                                      \
+void NAME(float *x, const float *table, const int64_t *pos, int64_t rows, int64_t row_stride,     \
+          int64_t heads, int64_t dim, TS *slots, const int64_t *slot_ids, int64_t hkv,            \
+          int64_t k_base, int64_t v_off) {                                                        \
+    const int64_t half = dim / 2;                                                                 \
+    _Pragma("omp parallel for schedule(static) if(rows * heads * dim >= 65536)")                  \
+    for (int64_t r = 0; r < rows; ++r) {                                                          \
+        const float *c = table + pos[r] * 2 * dim, *s = c + dim;                                  \
+        float *row = x + r * row_stride;                                                          \
+        for (int64_t h = 0; h < heads; ++h) {                                                     \
+            float *v = row + h * dim;                                                             \
+            for (int64_t d = 0; d < half; ++d) {                                                  \
+                const float a = v[d], b = v[d + half];                                            \
+                v[d] = a * c[d] - b * s[d];                                                       \
+                v[d + half] = b * c[d + half] + a * s[d + half];                                  \
+            }                                                                                     \
+        }                                                                                         \
+        if (slots) {                                                                              \
+            for (int64_t h = 0; h < hkv; ++h) {                                                   \
+                const int64_t slot = slot_ids[r * hkv + h] + k_base;                              \
+                const float *k = row + (heads - hkv + h) * dim, *val = row + (heads + h) * dim;   \
+                TS *ks = slots + slot * dim, *vs = slots + (slot + v_off) * dim;                  \
+                for (int64_t d = 0; d < dim; ++d) {                                               \
+                    ks[d] = SLOT_STORE(k[d]);                                                     \
+                    vs[d] = SLOT_STORE(val[d]);                                                   \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
 }
+
+DEFINE_ROPE_F32(rope_f32, float, F32_STORE)
+DEFINE_ROPE_F32(rope_f32_kv_bf16, uint16_t, bf16_round)
 
 /* out[r] = the first index of the largest value of row r of x [rows][n], as torch.argmax
  * gives for rows without NaN (logits here never hold one). */

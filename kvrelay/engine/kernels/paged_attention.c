@@ -25,14 +25,14 @@
 
 #define MAX_GROUP 16
 
-/* One work item, head dim DIM (a constant when specialised). */
-#define DEFINE_ITEM(NAME, T, LOAD, STORE, DIM)                                                \
-static void NAME(const T *pool, const int64_t *pages, int64_t n, const T *q, T *out,         \
+/* One work item, head dim DIM (a constant when specialised); the pool holds T, q and out TQ. */
+#define DEFINE_ITEM(NAME, T, LOAD, TQ, LOADQ, STOREQ, DIM)                                    \
+static void NAME(const T *pool, const int64_t *pages, int64_t n, const TQ *q, TQ *out,       \
                  int64_t layer, int64_t L, int64_t H, int64_t h, int64_t G, int64_t S,       \
                  float scale, float *scores) {                                               \
     float qf[MAX_GROUP * DIM], acc[MAX_GROUP * DIM], row[DIM];                               \
     const int64_t page_stride = L * 2 * H * S * DIM, head_stride = S * DIM;                  \
-    for (int64_t i = 0; i < G * DIM; ++i) qf[i] = LOAD(q + i) * scale;                       \
+    for (int64_t i = 0; i < G * DIM; ++i) qf[i] = LOADQ(q + i) * scale;                      \
     for (int64_t t = 0; t < n; ++t) {                                                        \
         const T *k = pool + pages[t / S] * page_stride + (layer * 2 * H + h) * head_stride   \
                      + (t % S) * DIM;                                                        \
@@ -60,13 +60,15 @@ static void NAME(const T *pool, const int64_t *pages, int64_t n, const T *q, T *
             for (int64_t d = 0; d < DIM; ++d) acc[g * DIM + d] += p * row[d];                \
         }                                                                                    \
     }                                                                                        \
-    for (int64_t i = 0; i < G * DIM; ++i) out[i] = STORE(acc[i]);                            \
+    for (int64_t i = 0; i < G * DIM; ++i) out[i] = STOREQ(acc[i]);                           \
 }
 
 /* FAST: whether T is bfloat16 and the AVX-512 BF16 item is compiled in; else ITEM(64) and
- * ITEM(128) are the items for those head dims, SCRATCH(G, n) their score floats. */
-#define DEFINE_KERNEL(NAME, T, FAST, ITEM, SCRATCH)                                           \
-int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const T *q, T *out, \
+ * ITEM(128) are the items for those head dims, SCRATCH(G, n) their score floats. The pool
+ * holds T; q and out hold TQ (float32 over a bfloat16 pool: `--kv-cache-dtype bfloat16`
+ * under float32 compute). */
+#define DEFINE_KERNEL(NAME, T, TQ, FAST, ITEM, SCRATCH)                                       \
+int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const TQ *q, TQ *out, \
          int64_t max_pages, int64_t layer, int64_t L, int64_t H, int64_t G, int64_t S,       \
          int64_t D, float scale, int64_t lo, int64_t hi) {                                   \
     if ((D != 64 && D != 128) || G > MAX_GROUP) return -2;                                   \
@@ -110,24 +112,28 @@ int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const
 #endif
 
 #ifdef KVRELAY_VEC   /* paged_attention_f32.h: vector items, bfloat16 widened on load */
-DEFINE_DEC_ITEM(dec_f32_64, float, VLOADF, F32_LOAD, F32_STORE, 64)
-DEFINE_DEC_ITEM(dec_f32_128, float, VLOADF, F32_LOAD, F32_STORE, 128)
-DEFINE_DEC_ITEM(dec_bf16_64, uint16_t, VLOAD_BF16, bf16_load, bf16_round, 64)
-DEFINE_DEC_ITEM(dec_bf16_128, uint16_t, VLOAD_BF16, bf16_load, bf16_round, 128)
-#define ITEM_F32(D) dec_f32_##D
-#define ITEM_BF16(D) dec_bf16_##D
+DEFINE_DEC_ITEM(dec_f32_64, float, VLOADF, float, F32_LOAD, F32_STORE, 64)
+DEFINE_DEC_ITEM(dec_f32_128, float, VLOADF, float, F32_LOAD, F32_STORE, 128)
+DEFINE_DEC_ITEM(dec_bf16_64, uint16_t, VLOAD_BF16, uint16_t, bf16_load, bf16_round, 64)
+DEFINE_DEC_ITEM(dec_bf16_128, uint16_t, VLOAD_BF16, uint16_t, bf16_load, bf16_round, 128)
+DEFINE_DEC_ITEM(dec_mixed_64, uint16_t, VLOAD_BF16, float, F32_LOAD, F32_STORE, 64)
+DEFINE_DEC_ITEM(dec_mixed_128, uint16_t, VLOAD_BF16, float, F32_LOAD, F32_STORE, 128)
 #define ITEM_SCRATCH(G, n) dec_scratch_floats(G, n)
 #else                /* portable scalar items */
-DEFINE_ITEM(dec_f32_64, float, F32_LOAD, F32_STORE, 64)
-DEFINE_ITEM(dec_f32_128, float, F32_LOAD, F32_STORE, 128)
-DEFINE_ITEM(dec_bf16_64, uint16_t, bf16_load, bf16_round, 64)
-DEFINE_ITEM(dec_bf16_128, uint16_t, bf16_load, bf16_round, 128)
-#define ITEM_F32(D) dec_f32_##D
-#define ITEM_BF16(D) dec_bf16_##D
+DEFINE_ITEM(dec_f32_64, float, F32_LOAD, float, F32_LOAD, F32_STORE, 64)
+DEFINE_ITEM(dec_f32_128, float, F32_LOAD, float, F32_LOAD, F32_STORE, 128)
+DEFINE_ITEM(dec_bf16_64, uint16_t, bf16_load, uint16_t, bf16_load, bf16_round, 64)
+DEFINE_ITEM(dec_bf16_128, uint16_t, bf16_load, uint16_t, bf16_load, bf16_round, 128)
+DEFINE_ITEM(dec_mixed_64, uint16_t, bf16_load, float, F32_LOAD, F32_STORE, 64)
+DEFINE_ITEM(dec_mixed_128, uint16_t, bf16_load, float, F32_LOAD, F32_STORE, 128)
 #define ITEM_SCRATCH(G, n) ((G) * (n))
 #endif
-DEFINE_KERNEL(paged_decode_bf16, uint16_t, BF16_FAST, ITEM_BF16, ITEM_SCRATCH)
-DEFINE_KERNEL(paged_decode_f32, float, 0, ITEM_F32, ITEM_SCRATCH)
+#define ITEM_F32(D) dec_f32_##D
+#define ITEM_BF16(D) dec_bf16_##D
+#define ITEM_MIXED(D) dec_mixed_##D
+DEFINE_KERNEL(paged_decode_bf16, uint16_t, uint16_t, BF16_FAST, ITEM_BF16, ITEM_SCRATCH)
+DEFINE_KERNEL(paged_decode_f32, float, float, 0, ITEM_F32, ITEM_SCRATCH)
+DEFINE_KERNEL(paged_decode_bf16kv_f32, uint16_t, float, 0, ITEM_MIXED, ITEM_SCRATCH)
 
 /* Prefill attention from the pool: B sequences, sequence b with kv_lens[b] keys whose
  * last q_lens[b] are queries at rows q_rows[b].. of q (rows q_stride elements apart); out
@@ -135,9 +141,9 @@ DEFINE_KERNEL(paged_decode_f32, float, 0, ITEM_F32, ITEM_SCRATCH)
  * dynamically. bfloat16 runs the AVX-512 BF16 item where it is compiled in, else the
  * float32 item with bf16 widened (prefill_attention_f32.h). Returns -2 for a shape
  * without a kernel. */
-#define DEFINE_PREFILL(NAME, T, SCRATCH_FLOATS, ITEM)                                                  \
+#define DEFINE_PREFILL(NAME, T, TQ, SCRATCH_FLOATS, ITEM)                                              \
 int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const int64_t *q_lens,     \
-         const int64_t *q_rows, const T *q, int64_t q_stride, T *out, int64_t B, int64_t max_pages,   \
+         const int64_t *q_rows, const TQ *q, int64_t q_stride, TQ *out, int64_t B, int64_t max_pages, \
          int64_t layer, int64_t L, int64_t H, int64_t G, int64_t S, int64_t D, float scale) {         \
     if ((D != 64 && D != 128) || G > MAX_GROUP) return -2;                                           \
     int64_t longest = 1;                                                                             \
@@ -164,17 +170,20 @@ int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const
 
 #ifdef KVRELAY_VEC
 #define PF_SCRATCH(G, longest, D) pf_scratch_floats(longest, D)
-DEFINE_PF_ITEM(pf_item_f32, float, F32_LOAD, F32_STORE)
-DEFINE_PREFILL(paged_prefill_f32, float, PF_SCRATCH, pf_item_f32)
+DEFINE_PF_ITEM(pf_item_f32, float, F32_LOAD, float, F32_LOAD, F32_STORE)
+DEFINE_PREFILL(paged_prefill_f32, float, float, PF_SCRATCH, pf_item_f32)
+DEFINE_PF_ITEM(pf_item_mixed, uint16_t, bf16_load, float, F32_LOAD, F32_STORE)
+DEFINE_PREFILL(paged_prefill_bf16kv_f32, uint16_t, float, PF_SCRATCH, pf_item_mixed)
 #ifdef KVRELAY_FAST_DECODE
-DEFINE_PREFILL(paged_prefill_bf16, uint16_t, prefill_scratch_floats, prefill_item)
+DEFINE_PREFILL(paged_prefill_bf16, uint16_t, uint16_t, prefill_scratch_floats, prefill_item)
 #else
-DEFINE_PF_ITEM(pf_item_bf16, uint16_t, bf16_load, bf16_round)
-DEFINE_PREFILL(paged_prefill_bf16, uint16_t, PF_SCRATCH, pf_item_bf16)
+DEFINE_PF_ITEM(pf_item_bf16, uint16_t, bf16_load, uint16_t, bf16_load, bf16_round)
+DEFINE_PREFILL(paged_prefill_bf16, uint16_t, uint16_t, PF_SCRATCH, pf_item_bf16)
 #endif
 int paged_prefill_available(void) { return 1; }
 #else
 int paged_prefill_f32(void) { return -2; }
 int paged_prefill_bf16(void) { return -2; }
+int paged_prefill_bf16kv_f32(void) { return -2; }
 int paged_prefill_available(void) { return 0; }
 #endif

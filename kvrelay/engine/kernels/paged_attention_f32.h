@@ -39,9 +39,10 @@ static inline void dec_prefetch_row(const void *row, int64_t bytes) {
 /* Floats of score scratch one item of n keys needs. */
 static inline int64_t dec_scratch_floats(int64_t G, int64_t n) { return G * ((n + V - 1) / V * V); }
 
-/* Item for sequence keys [0, n) of kv head h; LOADV loads V elements of T as float32. */
-#define DEFINE_DEC_ITEM(NAME, T, LOADV, LOAD, STORE, DIM)                                          \
-static void NAME(const T *pool, const int64_t *pages, int64_t n, const T *q, T *out,              \
+/* Item for sequence keys [0, n) of kv head h; LOADV loads V elements of the pool's T as
+ * float32; q and out hold TQ (LOADQ, STOREQ). */
+#define DEFINE_DEC_ITEM(NAME, T, LOADV, TQ, LOADQ, STOREQ, DIM)                                   \
+static void NAME(const T *pool, const int64_t *pages, int64_t n, const TQ *q, TQ *out,            \
                  int64_t layer, int64_t L, int64_t H, int64_t h, int64_t G, int64_t S,            \
                  float scale, float *scores) {                                                    \
     enum { C = DIM / V };                                                                         \
@@ -49,7 +50,7 @@ static void NAME(const T *pool, const int64_t *pages, int64_t n, const T *q, T *
     const int64_t head_stride = S * DIM, page_stride = L * 2 * H * head_stride;                   \
     const int64_t k_off = (layer * 2 * H + h) * head_stride, v_off = k_off + H * head_stride;     \
     const int64_t npad = (n + V - 1) / V * V, row_bytes = DIM * (int64_t)sizeof(T);                \
-    for (int64_t i = 0; i < G * DIM; ++i) qf[i] = LOAD(q + i) * scale;                            \
+    for (int64_t i = 0; i < G * DIM; ++i) qf[i] = LOADQ(q + i) * scale;                           \
     for (int64_t t0 = 0; t0 < n; t0 += V) {                                                       \
         const T *krow[V];                                                                         \
         for (int j = 0; j < V; ++j) {                                                             \
@@ -90,7 +91,7 @@ static void NAME(const T *pool, const int64_t *pages, int64_t n, const T *q, T *
         }                                                                                         \
         float o[DIM];                                                                             \
         _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) VSTOREF(o + c * V, acc[c]);          \
-        for (int64_t d = 0; d < DIM; ++d) out[g * DIM + d] = STORE(o[d]);                         \
+        for (int64_t d = 0; d < DIM; ++d) out[g * DIM + d] = STOREQ(o[d]);                        \
     }                                                                                             \
 }
 

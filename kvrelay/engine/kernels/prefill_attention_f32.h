@@ -85,10 +85,10 @@ static inline int64_t pf_scratch_floats(int64_t longest, int64_t dim) {
     return 2 * npad * dim + PF_MR * npad + PF_MR * dim + PF_MR * dim;
 }
 
-/* One (sequence, kv head) item. T_IS_BF16: the pool, q and out hold bfloat16. */
-#define DEFINE_PF_ITEM(NAME, T, LOAD, STORE)                                                     \
-static void NAME(const T *pool, const int64_t *pages, int64_t n, int64_t q_len, const T *q,      \
-                 int64_t q_stride, T *out, int64_t out_stride, int64_t layer, int64_t L, int64_t H, \
+/* One (sequence, kv head) item: the pool holds T (LOAD), q and out TQ (LOADQ, STOREQ). */
+#define DEFINE_PF_ITEM(NAME, T, LOAD, TQ, LOADQ, STOREQ)                                         \
+static void NAME(const T *pool, const int64_t *pages, int64_t n, int64_t q_len, const TQ *q,     \
+                 int64_t q_stride, TQ *out, int64_t out_stride, int64_t layer, int64_t L, int64_t H, \
                  int64_t h, int64_t G, int64_t S, int64_t dim, float scale, float *scratch) {       \
     const int64_t npad = (n + PF_KEY_PAD - 1) / PF_KEY_PAD * PF_KEY_PAD;                         \
     const int64_t head_stride = S * dim, page_stride = L * 2 * H * head_stride;                  \
@@ -115,13 +115,13 @@ static void NAME(const T *pool, const int64_t *pages, int64_t n, int64_t q_len, 
             const int64_t width = (m0 + mr + V - 1) / V * V;                                     \
             for (int r = 0; r < mr; ++r)                                                         \
                 for (int64_t d = 0; d < dim; ++d)                                                \
-                    qf[r * dim + d] = LOAD(q + (i0 + r) * q_stride + (h * G + g) * dim + d);      \
+                    qf[r * dim + d] = LOADQ(q + (i0 + r) * q_stride + (h * G + g) * dim + d);      \
             pf_matmul(qf, dim, kt, npad, dim, scale, s, npad, mr, width);                        \
             pf_softmax_rows(s, npad, mr, m0, width);                                             \
             pf_matmul(s, npad, vv, dim, m0 + mr, 1.f, of, dim, mr, dim);                         \
             for (int r = 0; r < mr; ++r)                                                         \
                 for (int64_t d = 0; d < dim; ++d)                                                \
-                    out[(i0 + r) * out_stride + (h * G + g) * dim + d] = STORE(of[r * dim + d]);  \
+                    out[(i0 + r) * out_stride + (h * G + g) * dim + d] = STOREQ(of[r * dim + d]);  \
         }                                                                                        \
 }
 
