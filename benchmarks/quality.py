@@ -20,6 +20,7 @@ the stored width); held MB: every weight tensor the loaded model holds, the layo
 for the kernels included, each storage once: the memory the weights take.
 
   python benchmarks/quality.py                            # bf16 vs float32, int8, int4, gguf
+  python benchmarks/quality.py --formats fp32,auto,auto-kv-fp32   # the bfloat16 KV cache
   python benchmarks/quality.py --formats int4 --kernels avx2 --json
 """
 from __future__ import annotations
@@ -37,9 +38,8 @@ from pathlib import Path
 import torch
 
 from kvrelay.core.config import DEFAULT_MODEL, KVCacheConfig, ModelOptions, SchedulerConfig
-from kvrelay.core.kvlayout import KVLayout
 from kvrelay.engine.attention import make_attention_backend
-from kvrelay.engine.core import EngineCore
+from kvrelay.engine.core import EngineCore, kv_layout_for
 from kvrelay.engine.kv_pool import KVPool
 from kvrelay.engine.loader import ModelLoadError, load_model
 from kvrelay.engine.models.linear import Linear
@@ -48,12 +48,16 @@ from kvrelay.engine.types import GenerateRequest, SamplingParams
 
 TEXT_PACKAGE, TEXT_FILE = "litellm", "proxy/common_utils/codex_base_instructions.md"
 REFERENCE = "bf16"
-# format name -> (dtype, quantization, lm-head quantization); None: the --dtype flag (auto by
-# default). int8/int4/gguf keep the head as --lm-head-quantization auto does (int8, int8, the
-# file's blocks); the "head-..." variants set it.
-FORMATS = {"bf16": ("bfloat16", "none", "auto"), "fp32": ("float32", "none", "auto"),
-           "int8": (None, "int8", "auto"), "int4": (None, "int4", "auto"), "gguf": (None, "gguf", "auto"),
-           "int4-head-float": (None, "int4", "none"), "int4-head-int4": (None, "int4", "int4")}
+# format name -> (dtype, quantization, lm-head quantization, KV cache dtype); None: the --dtype
+# flag (auto by default). int8/int4/gguf keep the head as --lm-head-quantization auto does
+# (int8, int8, the file's blocks); the "head-..." variants set it. "auto" is what `kvrelay
+# serve` runs with its defaults (on a CPU without AVX-512 BF16: float32 compute, bfloat16
+# weights and KV cache); "auto-kv-fp32" the same with a float32 KV cache.
+FORMATS = {"bf16": ("bfloat16", "none", "auto", "auto"), "fp32": ("float32", "none", "auto", "auto"),
+           "auto": ("auto", "none", "auto", "auto"), "auto-kv-fp32": ("auto", "none", "auto", "float32"),
+           "int8": (None, "int8", "auto", "auto"), "int4": (None, "int4", "auto", "auto"),
+           "gguf": (None, "gguf", "auto", "auto"),
+           "int4-head-float": (None, "int4", "none", "auto"), "int4-head-int4": (None, "int4", "int4", "auto")}
 PROMPTS = [
     "What is the capital of France?",
     "Explain photosynthesis in two sentences.",
@@ -84,6 +88,7 @@ class Run:
     name: str
     dtype: str = ""
     weights: str = ""
+    kv_cache: str = ""
     kernels: str = ""
     weight_mb: float = 0.0                     # the stored format, one copy
     held_mb: float = 0.0                       # every copy the model holds (packed layouts too)
@@ -170,11 +175,10 @@ def window_logits(loaded, kv: KVPool, ids: list[int]) -> torch.Tensor:
     return loaded.model(batch, make_attention_backend(loaded.attention_backend, kv, loaded.arch.num_heads))
 
 
-def score_text(loaded, ids: list[int], window: int) -> tuple[float, torch.Tensor]:
+def score_text(loaded, ids: list[int], window: int, kv_dtype: str) -> tuple[float, torch.Tensor]:
     """(perplexity, argmax at every predicted position) over `ids` in windows."""
-    a, page = loaded.arch, 16
-    kv = KVPool(KVLayout("quality", loaded.dtype, page, a.num_layers, a.num_kv_heads, a.head_dim),
-                1 + -(-window // page))   # page 0 is never handed out: the batch pads with it
+    page = 16
+    kv = KVPool(kv_layout_for(loaded, page, kv_dtype), 1 + -(-window // page))   # page 0 pads the batch
     nll, count, tops = 0.0, 0, []
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start:start + window]
@@ -197,11 +201,11 @@ def chat_prompts(tokenizer) -> list[list[int]]:
     return out
 
 
-def greedy_tokens(loaded, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+def greedy_tokens(loaded, prompts: list[list[int]], new_tokens: int, kv_dtype: str) -> list[list[int]]:
     """Greedy continuations, all requests batched through the engine loop."""
     longest = max(len(p) for p in prompts) + new_tokens
-    core = EngineCore(loaded, KVCacheConfig(page_size=16, max_kv_tokens=len(prompts) * (longest + 16)),
-                      SchedulerConfig())
+    core = EngineCore(loaded, KVCacheConfig(page_size=16, max_kv_tokens=len(prompts) * (longest + 16),
+                                            kv_cache_dtype=kv_dtype), SchedulerConfig())
     outs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     errors: list[str] = []
 
@@ -224,7 +228,7 @@ def greedy_tokens(loaded, prompts: list[list[int]], new_tokens: int) -> list[lis
 
 
 def run_format(name: str, args, ids: list[int]) -> Run:
-    dtype, quant, head = FORMATS[name]
+    dtype, quant, head, kv_dtype = FORMATS[name]
     run, clock = Run(name), time.perf_counter()
 
     def lap(phase: str) -> None:
@@ -235,12 +239,13 @@ def run_format(name: str, args, ids: list[int]) -> Run:
         loaded = load_model(ModelOptions(model=args.model, dtype=dtype or args.dtype, quantization=quant,
                                          lm_head_quantization=head, kernels=args.kernels))
         run.dtype, run.weights, run.kernels = loaded.dtype, loaded.weights, loaded.kernels
+        run.kv_cache = kv_layout_for(loaded, 16, kv_dtype).kv_dtype
         run.weight_mb = format_bytes(loaded.model, loaded.weights) / 1e6
         run.held_mb = weight_bytes(loaded.model) / 1e6
         lap("load")
-        run.perplexity, run.argmax = score_text(loaded, ids, args.window)
+        run.perplexity, run.argmax = score_text(loaded, ids, args.window, kv_dtype)
         lap("perplexity")
-        run.greedy = greedy_tokens(loaded, chat_prompts(loaded.tokenizer), args.new_tokens)
+        run.greedy = greedy_tokens(loaded, chat_prompts(loaded.tokenizer), args.new_tokens, kv_dtype)
         lap("greedy")
     except (ModelLoadError, NotImplementedError, RuntimeError) as exc:
         run.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -264,7 +269,8 @@ def agreement(run: Run, ref: Run) -> dict[str, float]:
 
 
 def row(run: Run, ref: Run) -> dict:
-    return {"format": run.name, "dtype": run.dtype, "weights": run.weights, "kernels": run.kernels,
+    return {"format": run.name, "dtype": run.dtype, "weights": run.weights, "kv_cache": run.kv_cache,
+            "kernels": run.kernels,
             "weight_mb": round(run.weight_mb, 1), "held_mb": round(run.held_mb, 1),
             "perplexity": run.perplexity, **agreement(run, ref),
             "seconds": run.seconds, "error": run.error}
@@ -273,14 +279,15 @@ def row(run: Run, ref: Run) -> dict:
 def print_table(rows: list[dict], source: str, n_tokens: int, args) -> None:
     print(f"Perplexity over {n_tokens} tokens of {source} (windows of {args.window}); "
           f"agreement with {REFERENCE} over {len(PROMPTS)} prompts x {args.new_tokens} greedy tokens.\n")
-    print("| format | compute | weights MB | held MB | perplexity | top-1 = bf16 (text) | greedy prefix = bf16 "
-          "| greedy overall = bf16 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| format | compute | KV cache | weights MB | held MB | perplexity | top-1 = bf16 (text) "
+          "| greedy prefix = bf16 | greedy overall = bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["error"]:
-            print(f"| {r['format']} | n/a | | | | | | {r['error']} |")
+            print(f"| {r['format']} | n/a | | | | | | | {r['error']} |")
             continue
-        print(f"| {r['format']} | {r['dtype']}, {r['kernels']} | {r['weight_mb']:.0f} | {r['held_mb']:.0f} "
+        print(f"| {r['format']} | {r['dtype']}, {r['kernels']} | {r['kv_cache']} | {r['weight_mb']:.0f} "
+              f"| {r['held_mb']:.0f} "
               f"| {r['perplexity']:.3f} "
               f"| {r['top1_text']:.1%} | {r['greedy_prefix']:.1%} | {r['greedy_overall']:.1%} |")
 

@@ -176,12 +176,13 @@ class WorkerHealth(BaseModel):
     # measured seconds per prompt token (null until it prefilled once).
     queued_prompt_tokens: int = Field(0, ge=0)
     prefill_s_per_token: float | None = Field(None, ge=0, allow_inf_nan=False)
-    # What computes (`LoadedModel.compute_info`): the device, kernel variant, dtype, weight
-    # storage, attention backend.
+    # What computes (`engine.core.compute_info`): the device, kernel variant, dtype, weight
+    # storage, KV cache dtype, attention backend.
     device: str = ""
     kernels: str = ""
     dtype: str = ""
     weights: str = ""
+    kv_cache: str = ""
     attention: str = ""
     # Whether the caller's credential was right (`security.AUTH_SCOPE`): "off" (the worker
     # has no cluster key), "ok", or "refused" (the worker expects another cluster key).
