@@ -43,13 +43,7 @@ static void NAME(const T *pool, const int64_t *pages, int64_t n, const TQ *q, TQ
             scores[g * n + t] = dot;                                                         \
         }                                                                                    \
     }                                                                                        \
-    for (int64_t g = 0; g < G; ++g) {                                                        \
-        float *sg = scores + g * n, m = -INFINITY, sum = 0.f;                                \
-        for (int64_t t = 0; t < n; ++t) m = sg[t] > m ? sg[t] : m;                          \
-        for (int64_t t = 0; t < n; ++t) { sg[t] = expf(sg[t] - m); sum += sg[t]; }          \
-        const float inv = 1.f / sum;                                                         \
-        for (int64_t t = 0; t < n; ++t) sg[t] *= inv;                                       \
-    }                                                                                        \
+    for (int64_t g = 0; g < G; ++g) dec_softmax(scores + g * n, n);                          \
     for (int64_t i = 0; i < G * DIM; ++i) acc[i] = 0.f;                                      \
     for (int64_t t = 0; t < n; ++t) {                                                        \
         const T *v = pool + pages[t / S] * page_stride + ((layer * 2 + 1) * H + h)            \
@@ -111,21 +105,19 @@ int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const
 #define BF16_FAST 0
 #endif
 
+/* Every (pool, query) pair and head dim, through DEFINE with the pool loads F32 and BF16. */
+#define DEC_ITEMS(DEFINE, F32, BF16)                                                \
+    DEFINE(dec_f32_64, float, F32, float, F32_LOAD, F32_STORE, 64)                  \
+    DEFINE(dec_f32_128, float, F32, float, F32_LOAD, F32_STORE, 128)                \
+    DEFINE(dec_bf16_64, uint16_t, BF16, uint16_t, bf16_load, bf16_round, 64)        \
+    DEFINE(dec_bf16_128, uint16_t, BF16, uint16_t, bf16_load, bf16_round, 128)      \
+    DEFINE(dec_mixed_64, uint16_t, BF16, float, F32_LOAD, F32_STORE, 64)            \
+    DEFINE(dec_mixed_128, uint16_t, BF16, float, F32_LOAD, F32_STORE, 128)
 #ifdef KVRELAY_VEC   /* paged_attention_f32.h: vector items, bfloat16 widened on load */
-DEFINE_DEC_ITEM(dec_f32_64, float, VLOADF, float, F32_LOAD, F32_STORE, 64)
-DEFINE_DEC_ITEM(dec_f32_128, float, VLOADF, float, F32_LOAD, F32_STORE, 128)
-DEFINE_DEC_ITEM(dec_bf16_64, uint16_t, VLOAD_BF16, uint16_t, bf16_load, bf16_round, 64)
-DEFINE_DEC_ITEM(dec_bf16_128, uint16_t, VLOAD_BF16, uint16_t, bf16_load, bf16_round, 128)
-DEFINE_DEC_ITEM(dec_mixed_64, uint16_t, VLOAD_BF16, float, F32_LOAD, F32_STORE, 64)
-DEFINE_DEC_ITEM(dec_mixed_128, uint16_t, VLOAD_BF16, float, F32_LOAD, F32_STORE, 128)
+DEC_ITEMS(DEFINE_DEC_ITEM, VLOADF, VLOAD_BF16)
 #define ITEM_SCRATCH(G, n) dec_scratch_floats(G, n)
 #else                /* portable scalar items */
-DEFINE_ITEM(dec_f32_64, float, F32_LOAD, float, F32_LOAD, F32_STORE, 64)
-DEFINE_ITEM(dec_f32_128, float, F32_LOAD, float, F32_LOAD, F32_STORE, 128)
-DEFINE_ITEM(dec_bf16_64, uint16_t, bf16_load, uint16_t, bf16_load, bf16_round, 64)
-DEFINE_ITEM(dec_bf16_128, uint16_t, bf16_load, uint16_t, bf16_load, bf16_round, 128)
-DEFINE_ITEM(dec_mixed_64, uint16_t, bf16_load, float, F32_LOAD, F32_STORE, 64)
-DEFINE_ITEM(dec_mixed_128, uint16_t, bf16_load, float, F32_LOAD, F32_STORE, 128)
+DEC_ITEMS(DEFINE_ITEM, F32_LOAD, bf16_load)
 #define ITEM_SCRATCH(G, n) ((G) * (n))
 #endif
 #define ITEM_F32(D) dec_f32_##D

@@ -12,10 +12,21 @@
  */
 #ifndef KVRELAY_PAGED_ATTENTION_F32_H
 #define KVRELAY_PAGED_ATTENTION_F32_H
-#include "vec.h"
-#ifdef KVRELAY_VEC
 #include <math.h>
 #include <stdint.h>
+
+#include "vec.h"
+
+/* s[0..n) <- softmax(s[0..n)), in float32 (every decode item's). */
+static inline void dec_softmax(float *s, int64_t n) {
+    float m = -INFINITY, sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) m = s[t] > m ? s[t] : m;
+    for (int64_t t = 0; t < n; ++t) { s[t] = expf(s[t] - m); sum += s[t]; }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+}
+
+#ifdef KVRELAY_VEC
 
 /* One vector whose lane j is the sum of a[j]'s lanes. */
 static inline vf dec_reduce(const vf *a) {
@@ -74,11 +85,8 @@ static void NAME(const T *pool, const int64_t *pages, int64_t n, const TQ *q, TQ
         }                                                                                         \
     }                                                                                             \
     for (int64_t g = 0; g < G; ++g) {                                                             \
-        float *sg = scores + g * npad, m = -INFINITY, sum = 0.f;                                  \
-        for (int64_t t = 0; t < n; ++t) m = sg[t] > m ? sg[t] : m;                               \
-        for (int64_t t = 0; t < n; ++t) { sg[t] = expf(sg[t] - m); sum += sg[t]; }               \
-        const float inv = 1.f / sum;                                                              \
-        for (int64_t t = 0; t < n; ++t) sg[t] *= inv;                                            \
+        float *sg = scores + g * npad;                                                            \
+        dec_softmax(sg, n);                                                                       \
         vf acc[C];                                                                                \
         _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) acc[c] = VZERO();                    \
         for (int64_t t = 0, i = 0; t < n; ++i) {                                                  \
