@@ -24,7 +24,8 @@ def colocated_app(engine: AsyncEngine, gate: Gate | None = None, allowed_origins
         return await engine.acall(lambda core: core.debug_rows(), readonly=True)
 
     return build_openai_app(engine, extra_routes=[observability_router(metrics, debug_rows)], gate=gate,
-                            allowed_origins=allowed_origins, health_info=compute_info(engine.core.loaded, engine.core.layout))
+                            allowed_origins=allowed_origins,
+                            health_info=compute_info(engine.core.loaded, engine.core.layout))
 
 
 def serve_colocated(config: KVRelayConfig) -> None:

@@ -155,7 +155,8 @@ def serve_worker(config: KVRelayConfig, role: str) -> None:
         raise StartupError(f"the {role} worker could not start: {type(exc).__name__}: {exc}") from None
     core = engine.core
     srv = config.server
-    print(startup_line(role, compute_info(core.loaded, core.engine.layout), core.loaded.name, core.engine.capacity_tokens, serving_url(srv, config.security))
+    print(startup_line(role, compute_info(core.loaded, core.engine.layout), core.loaded.name,
+                       core.engine.capacity_tokens, serving_url(srv, config.security))
           + f", transfer {core.manager.name} at {core.manager.address}", flush=True)
     app = worker_app(engine, metrics, config.transfer.enable_fault_injection, worker_gate(key, config.security))
     try:

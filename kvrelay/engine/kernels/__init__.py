@@ -90,9 +90,10 @@ class PagedPrefill:
         assert (pool.dtype, q.dtype) in self._fns and q.stride(2) == 1 and q.stride(1) == D
         out = q.new_empty(T, Hq, D)
         H = num_kv_heads
-        rc = self._fns[pool.dtype, q.dtype](pool.data_ptr(), page_table.data_ptr(), kv_lens.data_ptr(), q_lens.data_ptr(),
-                                   q_rows.data_ptr(), q.data_ptr(), q.stride(0), out.data_ptr(), page_table.shape[0],
-                                   page_table.shape[1], layer, pool.shape[1], H, Hq // H, page_size, D, scale)
+        fn = self._fns[pool.dtype, q.dtype]
+        rc = fn(pool.data_ptr(), page_table.data_ptr(), kv_lens.data_ptr(), q_lens.data_ptr(), q_rows.data_ptr(),
+                q.data_ptr(), q.stride(0), out.data_ptr(), page_table.shape[0], page_table.shape[1], layer,
+                pool.shape[1], H, Hq // H, page_size, D, scale)
         if rc != 0:
             raise RuntimeError(f"native prefill attention failed ({rc}): out of memory or unsupported shape")
         return out
