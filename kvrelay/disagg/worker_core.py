@@ -37,7 +37,7 @@ from kvrelay.disagg.channel import Channel
 from kvrelay.disagg.lease import Coordinator
 from kvrelay.disagg.lifecycle import Reason, TerminalEvent, phase_name
 from kvrelay.disagg.transfer import create_manager
-from kvrelay.engine.core import EngineCore, compute_info, kv_layout_for, num_pages_for
+from kvrelay.engine.core import EngineCore, kv_layout_for, num_pages_for
 from kvrelay.engine.hooks import EngineHooks, PassProgress
 from kvrelay.engine.sampling import validate_params
 from kvrelay.engine.types import ErrorCode, FinishReason, GenerateRequest, RequestRejected, StepOutput
@@ -370,7 +370,7 @@ class WorkerCore(EngineHooks):
                 "live_requests": len(self.side.lc.rooms), "queued_requests": self.queued_requests(),
                 "free_pages": e.allocator.num_free, "total_pages": e.allocator.num_total,
                 "queued_prompt_tokens": self.queued_prompt_tokens(),
-                "prefill_s_per_token": e.scheduler.costs.per_token, **compute_info(e.loaded, e.layout)}
+                "prefill_s_per_token": e.scheduler.costs.per_token, **e.compute_info()}
 
     def check_idle(self) -> None:
         self.engine.check_idle()

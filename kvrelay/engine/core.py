@@ -59,11 +59,6 @@ def kv_layout_for(loaded, page_size: int, kv_dtype: str = "auto") -> KVLayout:
                     kv_dtype=stored)
 
 
-def compute_info(loaded, layout: KVLayout) -> dict[str, str]:
-    """What computes (`LoadedModel.compute_info`), with the KV cache this engine built."""
-    return {**loaded.compute_info(), "kv_cache": layout.kv_dtype}
-
-
 def num_pages_for(cfg: KVCacheConfig, layout: KVLayout) -> int:
     if cfg.max_kv_tokens is not None:
         return max(1, pages_for(cfg.max_kv_tokens, cfg.page_size))
@@ -292,6 +287,10 @@ class EngineCore:
         if tokens:
             self.last_prefill = (tokens, seconds)
         self.scheduler.costs.observe(len(batch.decode), tokens, seconds)
+
+    def compute_info(self) -> dict[str, str]:
+        """What computes (`LoadedModel.compute_info`), with the KV cache this engine built."""
+        return {**self.loaded.compute_info(), "kv_cache": self.layout.kv_dtype}
 
     def time_prefill(self, tokens: int) -> float | None:
         """Seconds of one prefill pass of `tokens` prompt tokens, computed into scratch pages

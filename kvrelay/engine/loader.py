@@ -59,7 +59,7 @@ class LoadedModel:
     device: str = "cpu"             # where the weights live; the KV pool and the sampler follow
     attention_backend: str = "auto"  # --attention-backend, resolved (engine.attention)
     # --kv-cache-dtype auto resolved (`auto_kv_dtype`); an engine's pool may differ under an
-    # explicit flag (`engine.core.compute_info` reports that one).
+    # explicit flag (`EngineCore.compute_info` reports that one).
     kv_cache: str = ""
 
     def compute_info(self) -> dict[str, str]:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kvrelay.core.config import KVRelayConfig
-from kvrelay.engine.core import EngineCore, compute_info
+from kvrelay.engine.core import EngineCore
 from kvrelay.engine.engine import AsyncEngine
 from kvrelay.engine.loader import load_model
 from kvrelay.obs.metrics import ServingMetrics
@@ -24,8 +24,7 @@ def colocated_app(engine: AsyncEngine, gate: Gate | None = None, allowed_origins
         return await engine.acall(lambda core: core.debug_rows(), readonly=True)
 
     return build_openai_app(engine, extra_routes=[observability_router(metrics, debug_rows)], gate=gate,
-                            allowed_origins=allowed_origins,
-                            health_info=compute_info(engine.core.loaded, engine.core.layout))
+                            allowed_origins=allowed_origins, health_info=engine.core.compute_info())
 
 
 def serve_colocated(config: KVRelayConfig) -> None:
@@ -39,9 +38,8 @@ def serve_colocated(config: KVRelayConfig) -> None:
     engine = AsyncEngine(build_core)
     app = colocated_app(engine, gate, config.server.allowed_origins)
     srv = config.server
-    print(startup_line("colocated", compute_info(engine.core.loaded, engine.core.layout), engine.core.loaded.name,
-                       engine.core.capacity_tokens,
-                       serving_url(srv, config.security)), flush=True)
+    print(startup_line("colocated", engine.core.compute_info(), engine.core.loaded.name,
+                       engine.core.capacity_tokens, serving_url(srv, config.security)), flush=True)
     try:
         run_uvicorn(app, srv, config.security)
     finally:

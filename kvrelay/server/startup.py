@@ -174,7 +174,7 @@ def load_with_progress(load_model, opts):
 
 
 def startup_line(role: str, info: dict[str, str], model: str, kv_tokens: int, url: str) -> str:
-    """The line a server prints once it serves; `info` is what computes (`compute_info`)."""
+    """The line a server prints once it serves; `info`: `EngineCore.compute_info()`."""
     where = "" if info["device"] == "cpu" else f"on {info['device']}, "
     return (f"kvrelay {role}: model {model} ({where}{info['dtype']}, kernels {info['kernels']}, weights "
             f"{info['weights']}, KV cache {info['kv_cache']}, attention {info['attention']}), "

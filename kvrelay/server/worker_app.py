@@ -21,7 +21,6 @@ from kvrelay.disagg.decode_worker import DecodeCore
 from kvrelay.disagg.faults import FaultSpec
 from kvrelay.disagg.prefill_worker import PrefillCore
 from kvrelay.disagg.worker_core import WorkerCore
-from kvrelay.engine.core import compute_info
 from kvrelay.engine.engine import AsyncEngine
 from kvrelay.engine.loader import load_model
 from kvrelay.engine.types import FinishReason, GenerateRequest, RequestRejected, StepOutput
@@ -155,7 +154,7 @@ def serve_worker(config: KVRelayConfig, role: str) -> None:
         raise StartupError(f"the {role} worker could not start: {type(exc).__name__}: {exc}") from None
     core = engine.core
     srv = config.server
-    print(startup_line(role, compute_info(core.loaded, core.engine.layout), core.loaded.name,
+    print(startup_line(role, core.engine.compute_info(), core.loaded.name,
                        core.engine.capacity_tokens, serving_url(srv, config.security))
           + f", transfer {core.manager.name} at {core.manager.address}", flush=True)
     app = worker_app(engine, metrics, config.transfer.enable_fault_injection, worker_gate(key, config.security))

@@ -176,7 +176,7 @@ class WorkerHealth(BaseModel):
     # measured seconds per prompt token (null until it prefilled once).
     queued_prompt_tokens: int = Field(0, ge=0)
     prefill_s_per_token: float | None = Field(None, ge=0, allow_inf_nan=False)
-    # What computes (`engine.core.compute_info`): the device, kernel variant, dtype, weight
+    # What computes (`EngineCore.compute_info`): the device, kernel variant, dtype, weight
     # storage, KV cache dtype, attention backend.
     device: str = ""
     kernels: str = ""

@@ -1,7 +1,8 @@
 """`cpu_native`: the native CPU kernels (`engine.kernels`): RoPE fused with the K/V store,
-paged decode (bfloat16, float32, 8-bit pools, and a float32 model's bfloat16 pool) and paged prefill, reading the pool in place;
-bfloat16 prefill on AMX tiles through torch's flash attention; torch paths for the passes
-and shapes no kernel takes (gathered pages under a mask, or the fresh K/V causally)."""
+paged decode (bfloat16, float32, 8-bit pools, and a float32 model's bfloat16 pool) and
+paged prefill, reading the pool in place; bfloat16 prefill on AMX tiles through torch's
+flash attention; torch paths for the passes and shapes no kernel takes (gathered pages
+under a mask, or the fresh K/V causally)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -93,8 +94,8 @@ class CpuNativeBackend(AttentionBackend):
     def rope_and_store(self, qkv: torch.Tensor, layer: int,
                        meta: NativeMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One native pass, in place (q and k are views of qkv), where the pool holds the
-        compute dtype or, under float32, bfloat16. An 8-bit pool quantizes on store, and a pass over its own fresh keys
-        then reads them as the pool holds them (dequantized)."""
+        compute dtype or, under float32, bfloat16. An 8-bit pool quantizes on store, and a
+        pass over its own fresh keys then reads them as the pool holds them (dequantized)."""
         hq, hkv = self.num_heads, self.num_kv_heads
         ew = elementwise()
         if (ew is not None and ew.stores(qkv.dtype, self.kv.data.dtype) and ew.supports(qkv.dtype)

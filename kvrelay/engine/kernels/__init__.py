@@ -22,24 +22,33 @@ _I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _POOL_QUERY = ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.float32))
 
 
-class PagedDecode:
-    """`__call__` computes one layer's decode attention from the pool (see the C source for
-    the layout). It reads keys and values once, in place, on torch's own OpenMP threads,
-    where the torch path gathers every page into a new tensor and reads it again."""
+class _PoolAttention:
+    """An attention kernel over the pool: one C function per _POOL_QUERY pair, named
+    `<prefix>bf16`, `<prefix>f32`, `<prefix>bf16kv_f32`, all with `argtypes`."""
 
     head_dims = (64, 128)
     max_group = 16
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fns = dict(zip(_POOL_QUERY, (lib.paged_decode_bf16, lib.paged_decode_f32, lib.paged_decode_bf16kv_f32)))
+    def __init__(self, lib: ctypes.CDLL, prefix: str, argtypes: list) -> None:
+        self._fns = {pair: getattr(lib, prefix + suffix)
+                     for pair, suffix in zip(_POOL_QUERY, ("bf16", "f32", "bf16kv_f32"))}
         for fn in self._fns.values():
-            fn.restype = ctypes.c_int
-            fn.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _I64]
+            fn.restype, fn.argtypes = ctypes.c_int, argtypes
 
     def supports(self, dtype: torch.dtype, head_dim: int, group: int, q_dtype: torch.dtype | None = None) -> bool:
         """Whether a pool of `dtype` and queries of `q_dtype` (default: the pool's) have a kernel."""
         return ((dtype, q_dtype or dtype) in self._fns and head_dim in self.head_dims
                 and group <= self.max_group)
+
+
+class PagedDecode(_PoolAttention):
+    """`__call__` computes one layer's decode attention from the pool (see the C source for
+    the layout). It reads keys and values once, in place, on torch's own OpenMP threads,
+    where the torch path gathers every page into a new tensor and reads it again."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        super().__init__(lib, "paged_decode_", [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
+                                                _I64, _I64])
 
     def __call__(self, pool: torch.Tensor, page_table: torch.Tensor, kv_lens: torch.Tensor, q: torch.Tensor,
                  layer: int, num_kv_heads: int, page_size: int, scale: float) -> torch.Tensor:
@@ -49,15 +58,15 @@ class PagedDecode:
         L, H = pool.shape[1], num_kv_heads
         q = q.contiguous()
         out = torch.empty_like(q)
-        rc = self._fns[pool.dtype, q.dtype](pool.data_ptr(), page_table.data_ptr(), kv_lens.data_ptr(), q.data_ptr(),
-                                   out.data_ptr(), page_table.shape[1], layer, L, H, Hq // H, page_size, D,
-                                   scale, 0, B * H)
+        fn = self._fns[pool.dtype, q.dtype]
+        rc = fn(pool.data_ptr(), page_table.data_ptr(), kv_lens.data_ptr(), q.data_ptr(), out.data_ptr(),
+                page_table.shape[1], layer, L, H, Hq // H, page_size, D, scale, 0, B * H)
         if rc != 0:
             raise RuntimeError(f"native decode attention failed ({rc}): out of memory or unsupported shape")
         return out
 
 
-class PagedPrefill:
+class PagedPrefill(_PoolAttention):
     """`__call__` computes one layer's attention for a prefill pass (every query row sees
     the keys up to its own position, cached prefix included) from the pool, in place of
     gathering the pages and torch's flash kernel (~3x faster on a Zen 4). bfloat16 through
@@ -65,20 +74,9 @@ class PagedPrefill:
     every variant (AVX-512F or AVX2, prefill_attention_f32.h). With AMX, torch's flash
     kernel runs bfloat16 on the tiles and is faster (`models.layers.prefill_on_tiles`)."""
 
-    head_dims = (64, 128)
-    max_group = 16
-
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fns = dict(zip(_POOL_QUERY, (lib.paged_prefill_bf16, lib.paged_prefill_f32,
-                                           lib.paged_prefill_bf16kv_f32)))
-        for fn in self._fns.values():
-            fn.restype = ctypes.c_int
-            fn.argtypes = [_P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32]
-
-    def supports(self, dtype: torch.dtype, head_dim: int, group: int, q_dtype: torch.dtype | None = None) -> bool:
-        """Whether a pool of `dtype` and queries of `q_dtype` (default: the pool's) have a kernel."""
-        return ((dtype, q_dtype or dtype) in self._fns and head_dim in self.head_dims
-                and group <= self.max_group)
+        super().__init__(lib, "paged_prefill_", [_P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64,
+                                                 _I64, _I64, _F32])
 
     def __call__(self, pool: torch.Tensor, page_table: torch.Tensor, kv_lens: torch.Tensor, q_lens: torch.Tensor,
                  q_rows: torch.Tensor, q: torch.Tensor, layer: int, num_kv_heads: int, page_size: int,

@@ -90,9 +90,9 @@ void rope_bf16(uint16_t *x, const float *table, const int64_t *pos, int64_t rows
     }
 }
 
-/* rope_bf16 for float32 x, rounding nowhere (as the float32 torch ops); the slots hold
- * float32, or bfloat16 (SLOT_BF16: a float32 model's bfloat16 KV cache, each key and value
- * rounded once, as it is stored). */
+/* rope_bf16 for float32 x, rounding nowhere (as the float32 torch ops); the slots hold TS:
+ * float32, or bfloat16 (a float32 model's bfloat16 KV cache: SLOT_STORE rounds each key
+ * and value once, as it is stored). */
 #define DEFINE_ROPE_F32(NAME, TS, SLOT_STORE)                                                      \
 void NAME(float *x, const float *table, const int64_t *pos, int64_t rows, int64_t row_stride,     \
           int64_t heads, int64_t dim, TS *slots, const int64_t *slot_ids, int64_t hkv,            \
