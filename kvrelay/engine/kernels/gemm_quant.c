@@ -26,7 +26,10 @@
  * 16 bits before widening once per block.
  *
  * Threads split the column blocks in contiguous ranges (each weight byte is read by one
- * thread once); each runs MR rows x NB column blocks at a time over all of K.
+ * thread once); each runs MR rows x NB column blocks at a time over all of K, and at each
+ * kb prefetches the next tile's bytes at that kb into L2 (one tile ahead, at the rate this
+ * one reads): int4 decode steps of the default model, one row, spent 5.8-6.0 ms in these
+ * matmuls against 6.0-6.5 without it (avx2, Zen 2).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -173,6 +176,12 @@ static inline __attribute__((always_inline)) void tile(const Job *J, int64_t m0,
 #pragma GCC unroll 16
         for (int i = 0; i < mr * nv; ++i) is[i] = zi();
         const int8_t *xb = J->xq + m0 * Kp + kb * QB;
+        /* the next tile's blocks at this kb into L2: one tile ahead, at the rate this one reads */
+#pragma GCC unroll 4
+        for (int j = 0; j < nb; ++j)
+#pragma GCC unroll 8
+            for (int64_t t = 0; t < bbytes; t += 64)
+                _mm_prefetch((const char *)J->w + ((b0 + nb + j) * KB + kb) * bbytes + t, _MM_HINT_T1);
         if (mode == 2) {
 #pragma GCC unroll 4
             for (int t = 0; t < 4; ++t) {
