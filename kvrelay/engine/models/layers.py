@@ -101,9 +101,9 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = self.gate_up_proj.forward(x)   # no hooks: see LlamaForCausalLM.forward
         ew = elementwise()
         if ew is not None and ew.supports(gate_up.dtype):
-            return self.down_proj(ew.silu_mul(gate_up))
+            return self.down_proj.forward(ew.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj.forward(F.silu(gate) * up)
