@@ -146,11 +146,13 @@ void gemm_wide(const float *x, int64_t M, int64_t K, const void *packed, int64_t
         for (int64_t r0 = 0; r0 < M; r0 += run) {
             const int64_t rows = M - r0 < run ? M - r0 : run;
             const int64_t tiles = (rows + MR_MAX - 1) / MR_MAX, base = rows / tiles, extra = rows % tiles;
+            /* each tile's prefetch share of the next NB_MAX blocks: `share` lines, pf_lines
+             * of them every pf_every steps of k */
+            const int64_t share = (NB_MAX * K * BLOCK * esize / tiles + 63) / 64;
+            const int pf_lines = (int)((share + K - 1) / K);
+            const int64_t pf_every = K / ((share + pf_lines - 1) / pf_lines);
             for (int64_t b0 = lo; b0 < hi; b0 += NB_MAX) {
                 const int nb = (int)(hi - b0 < NB_MAX ? hi - b0 : NB_MAX);
-                const int64_t bytes = nb * K * BLOCK * esize, share = (bytes / tiles + 63) / 64;
-                const int pf_lines = (int)((share + K - 1) / K);
-                const int64_t points = (share + pf_lines - 1) / pf_lines, pf_every = points ? K / points : K + 1;
                 const char *next = (const char *)packed + (b0 + nb) * K * BLOCK * esize;
                 for (int64_t i = 0, m0 = r0; i < tiles; ++i) {
                     const int mr = (int)(base + (i < extra));
