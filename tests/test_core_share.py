@@ -1,11 +1,13 @@
 """--core-share: the engines of one host split its cores among those that have work."""
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from array import array
 
@@ -15,7 +17,7 @@ import torch
 from kvrelay.core.config import KVCacheConfig, SchedulerConfig
 from kvrelay.engine.core import EngineCore
 from kvrelay.engine.core_share import (FIELDS, PREFILL_WAIT, STALE, YIELD_MAX, YIELD_POLL, CoreShare, Post, _runs,
-                                       host_cores, share, prompt_steps)
+                                       host_cores, owed, share, prompt_steps)
 from kvrelay.engine.types import GenerateRequest, SamplingParams
 
 
@@ -140,7 +142,8 @@ def test_an_engine_with_decodes_only_yields_for_the_prompt_step_under_way_then_s
     p = CoreShare(path, 1, cores=2, clock=clock, pid=1002, alive=lambda pid: True)
     assert prompt_steps(0, {0: Post(True), 1: Post(True, 300)})
     assert not prompt_steps(0, {0: Post(True), 1: Post(True, 0)})          # the other decodes too
-    assert not prompt_steps(0, {0: Post(True), 1: Post(False, 300)})       # posted no work
+    assert prompt_steps(0, {0: Post(True), 1: Post(False, 300)})           # pending: about to compute
+    assert not prompt_steps(0, {0: Post(True), 1: Post(False)})            # posted no work
     assert not prompt_steps(0, {0: Post(True, 300)})                       # its own prompt does not count
     p.post(True, 0)
     assert not d.should_yield(True)          # the other has no prompt to compute
@@ -188,11 +191,73 @@ def test_a_prompt_waits_a_bounded_while_for_a_decode_step_to_end_then_takes_ever
     d.post(True, 0)
     p._sleep = step_ends_after(10**6)            # a decode step that does not end in time
     assert p.threads(True, 2048) == 1            # waited PREFILL_WAIT, then its even share
-    assert len(slept) == round(PREFILL_WAIT / YIELD_POLL) and sum(slept) == pytest.approx(PREFILL_WAIT)
+    assert len(slept) == math.ceil(PREFILL_WAIT / YIELD_POLL) and sum(slept) == pytest.approx(PREFILL_WAIT)
     slept.clear()
     assert p.threads(True, 0) == 1 and not slept   # a step without a prompt never waits
     d.post(True, 512)
     assert p.threads(True, 2048) == 1 and not slept   # nor for another engine's prompt
+    d.close()
+    p.close()
+
+
+def test_a_prompt_lets_an_engine_that_yielded_to_the_prompt_before_take_its_one_step_alone(tmp_path):
+    """At a prompt step's end, the decode engine that yielded to it is owed one step. The
+    next prompt step posts itself pending (no work) and waits while that engine is owed
+    its step or runs it, so the step runs on every core and the prompt's after it, never
+    the two beside each other on three threads; the decode engine then yields again."""
+    path, clock = str(tmp_path / "cores"), Clock()
+    d = CoreShare(path, 0, cores=2, clock=clock, pid=1001, alive=lambda pid: True)
+    events: list[str] = []
+
+    def sleep(seconds: float) -> None:   # what the decode engine does while the prompt waits
+        clock.t += seconds
+        if not events:
+            assert not d.should_yield(True)       # the prompt step it yielded to ended
+            assert d.threads(True, 0) == 2        # its one step: the pending prompt holds no core
+            events.append("decode step")
+        elif events == ["decode step"]:
+            assert d.should_yield(True)           # its next step yields to the pending prompt
+            events.append("yields")
+
+    p = CoreShare(path, 1, cores=2, clock=clock, pid=1002, alive=lambda pid: True, sleep=sleep)
+    first_at = p.post(True, 2048)
+    assert d.should_yield(True)                   # yields to the first prompt step
+    assert owed(1, p.posts(), clock.t + 1) and not owed(1, p.posts(), clock.t)
+    clock.t += 3.0                                # the prompt step ends; its next one
+    assert p.threads(True, 1024) == 2
+    assert events == ["decode step", "yields"]    # the decode step ran first, alone
+    post = p.posts()[1]
+    assert post.busy and post.queued == 1024 and post.at > first_at
+    assert d.should_yield(True)                   # the step it now yields to is that same step
+    events.append("done")
+    assert p.threads(True, 512) == 2              # nobody owed: no wait
+    d.close()
+    p.close()
+
+
+def test_a_waiting_engine_wakes_when_another_posts(tmp_path):
+    """The sockets: a wait ends as soon as another slot posts something new, not after
+    its timeout; an engine waits its whole timeout when nothing changes."""
+    path = str(tmp_path / "cores")
+    d, p = CoreShare(path, 0, cores=2), CoreShare(path, 1, cores=2)
+    d.post(False)
+    p.post(False)                                 # p's first post pokes d
+    started = time.monotonic()
+    d.wait(30.0)
+    assert time.monotonic() - started < 10.0
+    started = time.monotonic()
+    d.wait(0.2)                                   # nothing new since: the whole wait
+    assert time.monotonic() - started >= 0.19
+    timer = threading.Timer(0.3, p.post, (True, 2048))
+    timer.start()
+    started = time.monotonic()
+    d.wait(30.0)
+    assert time.monotonic() - started < 10.0      # poked at ~0.3 s, long before its timeout
+    timer.join()
+    p.post(True, 2048)                            # a new step pokes too: read by the next wait
+    started = time.monotonic()
+    d.wait(30.0)
+    assert time.monotonic() - started < 10.0
     d.close()
     p.close()
 

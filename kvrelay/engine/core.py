@@ -332,12 +332,13 @@ class EngineCore:
         return sum(max(0, r.prompt_len - r.num_computed) for r in (*sched.waiting, *sched.running))
 
     def _yields(self) -> bool:
-        """Prefill first across the host (`core_share`): a step of decodes only waits, a
-        few milliseconds at a time and a bounded while, for another engine's prompt."""
+        """Prefill first across the host (`core_share`): a step of decodes only waits, at
+        most YIELD_POLL at a time (less when another engine posts) and a bounded while, for
+        another engine's prompt."""
         if not self.core_share.should_yield(self.has_work and self._queued_prompt() == 0):
             return False
         started = time.monotonic()
-        time.sleep(YIELD_POLL)
+        self.core_share.wait(YIELD_POLL)   # less once the prompt's step ends
         self.yielded_steps += 1
         self.yielded_s += time.monotonic() - started
         return True
