@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvrelay.bench.workload import Turn
+from kvrelay.core import aio
+
+MAX_LINE_BYTES = 64 * 1024 * 1024   # one server-sent event: a whole answer's text at most
 
 
 @dataclass
@@ -91,8 +94,8 @@ async def send(client: httpx.AsyncClient, target: Target, turn: Turn, history: l
 
 async def _read(resp: httpx.Response, res: Outcome, start: float, chat: bool) -> None:
     chunks, usage = 0, None
-    async for line in resp.aiter_lines():
-        if not line.startswith("data: ") or line == "data: [DONE]":
+    async for line in aio.lines(resp.aiter_bytes(), MAX_LINE_BYTES):
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
             continue
         chunk = json.loads(line[6:])
         if "error" in chunk:

@@ -26,6 +26,7 @@ from kvrelay.bench.config import BenchConfig
 from kvrelay.bench.metrics import summarise
 from kvrelay.bench.settle import WINDOW, settle
 from kvrelay.bench.workload import WARMUP_ROUND, Item, Turn, as_text, build, load_tokenizer
+from kvrelay.core import aio
 
 
 class BenchError(Exception):
@@ -161,7 +162,7 @@ def main(cfg: BenchConfig) -> int:
         if cfg.spawn is not None:
             proc, url = spawn_server(cfg.spawn, console)
             servers = [("kvrelay", url)]
-        result = asyncio.run(bench(cfg, servers, console))
+        result = aio.run(bench(cfg, servers, console))
     except (BenchError, ValueError) as exc:
         print(f"kvrelay bench: error: {exc}", file=sys.stderr)
         return 1

@@ -15,7 +15,6 @@ Invariants:
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import dataclasses
@@ -32,6 +31,7 @@ from collections import deque
 
 import httpx
 
+from kvrelay.core import aio
 from kvrelay.core.clock import MonotonicClock
 from kvrelay.core.config import ClusterConfig, KVRelayConfig, SecurityConfig, to_cli_args
 from kvrelay.core.keys import ENV as KEY_ENV
@@ -308,7 +308,7 @@ def serve_cluster(config: KVRelayConfig) -> None:
                     f"workers (transfer {config.transfer.transfer_backend}), serving on "
                     f"{serving_url(srv, config.security)}")
 
-        asyncio.run(run_router(config, table, tokenizer, banner, key=key, gate=gate))
+        aio.run(run_router(config, table, tokenizer, banner, key=key, gate=gate))
     finally:
         release_ports()   # the router's port refuses at once while the workers drain
         cluster.stop()

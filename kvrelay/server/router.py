@@ -33,7 +33,7 @@ from typing import AsyncIterator, Callable, Coroutine
 import uvicorn
 from fastapi import APIRouter, FastAPI
 
-from kvrelay.core import ids, mutation
+from kvrelay.core import aio, ids, mutation
 from kvrelay.core.clock import Clock, MonotonicClock
 from kvrelay.core.config import KVRelayConfig, ModelOptions, RouterConfig
 from kvrelay.core.keys import ClusterKey
@@ -511,4 +511,4 @@ def serve_router(config: KVRelayConfig) -> None:
                 f"{len(cfg.prefill)} prefill + {len(cfg.decode)} decode workers, "
                 f"serving on {serving_url(srv, config.security)}")
 
-    asyncio.run(run_router(config, table, tokenizer, banner, key=key, gate=gate))
+    aio.run(run_router(config, table, tokenizer, banner, key=key, gate=gate))

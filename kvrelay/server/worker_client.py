@@ -18,6 +18,7 @@ from typing import AsyncIterator, Callable
 
 import httpx
 
+from kvrelay.core import aio
 from kvrelay.core.clock import Clock
 from kvrelay.core.config import RouterConfig
 from kvrelay.engine.types import ErrorCode, FinishReason, RequestRejected, StepOutput
@@ -30,6 +31,7 @@ log = logging.getLogger("kvrelay.router")
 PEER_FAILED = "peer_failed"
 CONNECT_TIMEOUT = 5.0
 ABORT_TIMEOUT = 2.0
+MAX_LINE_BYTES = 16 * 1024 * 1024   # one output line of a leg (its text, its logprobs), far above any real one
 WRONG_KEY = ("refuses the router's cluster token: the router and every worker need the same cluster key "
              "(--cluster-key-file or KVRELAY_CLUSTER_KEY)")
 
@@ -126,7 +128,7 @@ class WorkerAPI:
                 if resp.status_code != 200:
                     raise _http_failure(resp.status_code, await resp.aread(), url)
                 lines = LegLines(leg)
-                async for line in resp.aiter_lines():
+                async for line in aio.lines(resp.aiter_bytes(), MAX_LINE_BYTES):
                     if not line.strip():
                         continue
                     out = output_from_json(line)
