@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "vec.h"
 
 /* The value an unfused add would have stored: rounded through the storage dtype. */
 #define BF16_ROUNDTRIP(x) bf16_load(&(uint16_t){bf16_round(x)})
@@ -42,11 +43,32 @@ void silu_mul_##SUFFIX(const T *gate_up, T *out, int64_t rows, int64_t inter) { 
     for (int64_t r = 0; r < rows; ++r) {                                                     \
         const T *g = gate_up + r * 2 * inter, *u = g + inter;                                \
         T *o = out + r * inter;                                                              \
-        for (int64_t i = 0; i < inter; ++i) {                                                \
+        int64_t i = silu_mul_vec_##SUFFIX(g, u, o, inter);                                   \
+        for (; i < inter; ++i) {                                                             \
             const float x = LOAD(g + i);                                                     \
             o[i] = STORE(x / (1.f + expf(-x)) * LOAD(u + i));                                \
         }                                                                                    \
     }                                                                                        \
+}
+
+/* The leading columns of one row of silu_mul done in vectors; returns how many. */
+static inline int64_t silu_mul_vec_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t inter) {
+    (void)g, (void)u, (void)o, (void)inter;
+    return 0;
+}
+
+static inline int64_t silu_mul_vec_f32(const float *g, const float *u, float *o, int64_t inter) {
+    int64_t i = 0;
+#ifdef KVRELAY_VEC
+    for (; i + V <= inter; i += V) {
+        const vf x = VLOADF(g + i);
+        const vf silu = VDIV(x, VADD(VSET1(1.f), vexp(VMUL(x, VSET1(-1.f)))));
+        VSTOREF(o + i, VMUL(silu, VLOADF(u + i)));
+    }
+#else
+    (void)g, (void)u, (void)o, (void)inter;
+#endif
+    return i;
 }
 
 DEFINE_ELEMENTWISE(bf16, uint16_t, bf16_load, bf16_round, BF16_ROUNDTRIP)

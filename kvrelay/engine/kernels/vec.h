@@ -20,6 +20,12 @@ typedef __m512i vi;
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VADD(a, b) _mm512_add_ps(a, b)
 #define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VDIV(a, b) _mm512_div_ps(a, b)
+#define VMIN(a, b) _mm512_min_ps(a, b)
+#define VMAX(a, b) _mm512_max_ps(a, b)
+#define VROUND(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+/* 2^n for integral float n in [-126, 127] */
+#define VPOW2I(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
 #define VLOADF(p) _mm512_loadu_ps(p)
 #define VSTOREF(p, v) _mm512_storeu_ps(p, v)
 #define VLOADI(p) _mm512_loadu_si512((const void *)(p))
@@ -40,6 +46,11 @@ typedef __m256i vi;
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VADD(a, b) _mm256_add_ps(a, b)
 #define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VDIV(a, b) _mm256_div_ps(a, b)
+#define VMIN(a, b) _mm256_min_ps(a, b)
+#define VMAX(a, b) _mm256_max_ps(a, b)
+#define VROUND(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VPOW2I(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
 #define VLOADF(p) _mm256_loadu_ps(p)
 #define VSTOREF(p, v) _mm256_storeu_ps(p, v)
 #define VLOADI(p) _mm256_loadu_si256((const __m256i *)(p))
@@ -56,6 +67,23 @@ static inline void vstore_n(float *p, vf v, int cnt) {
     _mm256_maskstore_ps(p, m, v);
 }
 #endif
+
+/* e^x for x clamped to [-87, 88] (the result stays a normal float): x = n ln2 + r, a
+ * degree-6 polynomial of r (Cephes' expf), times 2^n; within 2 ulp of expf. */
+static inline vf vexp(vf x) {
+    x = VMIN(VMAX(x, VSET1(-87.f)), VSET1(88.f));
+    const vf n = VROUND(VMUL(x, VSET1(1.44269504088896341f)));
+    vf r = VFMA(n, VSET1(-0.693359375f), x);
+    r = VFMA(n, VSET1(2.12194440e-4f), r);
+    vf y = VSET1(1.9875691500e-4f);
+    y = VFMA(y, r, VSET1(1.3981999507e-3f));
+    y = VFMA(y, r, VSET1(8.3334519073e-3f));
+    y = VFMA(y, r, VSET1(4.1665795894e-2f));
+    y = VFMA(y, r, VSET1(1.6666665459e-1f));
+    y = VFMA(y, r, VSET1(5.0000001201e-1f));
+    y = VFMA(y, VMUL(r, r), VADD(r, VSET1(1.f)));
+    return VMUL(y, VPOW2I(n));
+}
 
 #endif
 #endif
