@@ -190,6 +190,36 @@ def test_packed_weights_survive_a_switch_to_torch():
     assert (native - fallback).norm() <= 0.02 * fallback.norm()
 
 
+def test_a_quantized_linear_binds_its_matmul_once_and_again_after_a_variant_switch():
+    """Linear.forward keeps `quant_call` (checks and constant arguments taken once) and
+    rebinds when the kernel variant changes; every call equals quant_forward's, and an
+    input of the wrong width is refused, not computed."""
+    if kernels.available_isas() == ("torch",):
+        return
+    before = kernels.isa()
+    kernels.select_isa(kernels.available_isas()[0])
+    lin = Linear(96, 24, bias=True)
+    lin.weight = torch.nn.Parameter(torch.randn(24, 96) * 0.1, requires_grad=False)
+    lin.bias = torch.nn.Parameter(torch.randn(24), requires_grad=False)
+    lin.prepare(WeightFormat(torch.float32, "int4", 32))
+    qw, x = lin.quant, torch.randn(5, 96)
+    try:
+        first = lin.forward(x)
+        bound = lin.quant_call
+        assert bound.kernel is quant_gemm() and bound.kernel is not None
+        assert torch.equal(first, ql.quant_forward(x, qw, lin.bias))
+        assert torch.equal(lin.forward(x[:2]), ql.quant_forward(x[:2], qw, lin.bias)) and lin.quant_call is bound
+        with pytest.raises(ValueError, match="k=96"):
+            lin.forward(torch.randn(5, 64))
+        kernels.select_isa("torch")
+        fallback = lin.forward(x)
+        assert lin.quant_call is not bound and lin.quant_call.kernel is None
+        assert torch.allclose(fallback, x @ ql.dequantize(qw).T + lin.bias, atol=1e-5)
+    finally:
+        kernels.select_isa(before)
+    assert lin.forward(x).shape == (5, 24) and lin.quant_call.kernel is quant_gemm()
+
+
 def test_nbytes_counts_codes_and_scales():
     w = torch.randn(64, 256)
     int4 = ql.quantize(w, WeightFormat(torch.float32, "int4", 32))

@@ -31,7 +31,8 @@ from torch import nn
 
 from kvrelay.engine.kernels import amx_bf16, elementwise, gemm
 from kvrelay.engine.kernels.wide import wide_gemm
-from kvrelay.engine.models.quant_linear import QuantWeight, quant_forward, quantize
+from kvrelay.engine.kernels.quant import quant_gemm
+from kvrelay.engine.models.quant_linear import QuantWeight, quant_call, quantize
 
 # oneDNN weight packing: the packed layout serves every row count; 32 is only its tuning hint.
 _PACK_HINT_ROWS = 32
@@ -166,6 +167,7 @@ class Linear(nn.Linear):
 
     packed: PackedWeight | None = None
     quant: QuantWeight | None = None
+    quant_call = None   # quant_call(quant, bias), made at the first forward
     gguf_raw = None   # the loader's raw GGUF blocks for this weight, for --quantization gguf
 
     def reset_parameters(self) -> None:
@@ -175,6 +177,7 @@ class Linear(nn.Linear):
     def prepare(self, fmt: WeightFormat = WeightFormat()) -> None:
         if fmt.store in QUANTIZED:
             self.quant = quantize(self.weight.detach(), fmt, raw=self.gguf_raw)
+            self.quant_call = None
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
             self.gguf_raw = None
             return
@@ -186,5 +189,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
-            return quant_forward(x, self.quant, self.bias)
+            call = self.quant_call
+            if call is None or call.kernel is not quant_gemm():   # packed, or the kernel variant changed
+                call = self.quant_call = quant_call(self.quant, self.bias)
+            return call(x)
         return fast_linear(x, self.weight, self.bias, self.packed)

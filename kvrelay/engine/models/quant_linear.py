@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -253,6 +254,21 @@ def dequantize(qw: QuantWeight) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- forward
+
+def quant_call(qw: QuantWeight, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`quant_forward(x, qw, bias)` as one callable, bound to the kernel variant that runs
+    now (`QuantGemm.bind`: the native path's checks and constant arguments taken once);
+    `.kernel` is that kernel, so a caller that keeps it rebinds when the variant changes."""
+    kernel = quant_gemm()
+    if qw.path == "native" and kernel is not None:
+        call = kernel.bind(qw.data, qw.scales, qw.mode, qw.gb, qw.n, qw.k,
+                           None if bias is None else bias.detach().float().contiguous())
+    else:
+        def call(x: torch.Tensor) -> torch.Tensor:
+            return quant_forward(x, qw, bias)
+    call.kernel = kernel
+    return call
+
 
 def quant_forward(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None,
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
