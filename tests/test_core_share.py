@@ -223,6 +223,8 @@ def test_a_prompt_lets_an_engine_that_yielded_to_the_prompt_before_take_its_one_
     first_at = p.post(True, 2048)
     assert d.should_yield(True)                   # yields to the first prompt step
     assert owed(1, p.posts(), clock.t + 1) and not owed(1, p.posts(), clock.t)
+    # another engine's prompt under way: the yielding engine waits for it anyway, nobody owes
+    assert not owed(1, {**p.posts(), 2: Post(True, 512, clock.t)}, clock.t + 1)
     clock.t += 3.0                                # the prompt step ends; its next one
     assert p.threads(True, 1024) == 2
     assert events == ["decode step", "yields"]    # the decode step ran first, alone

@@ -16,7 +16,8 @@ yields for the steps under way when it began (each post marks one step), then ru
 before it may yield again, so a stream of prompts slows its decodes and never stops them.
 That one step runs alone: an engine about to compute a prompt first posts it as pending
 (no work yet), and waits, for at most PREFILL_WAIT seconds, while another engine is in a
-step of decodes or is owed one (it has yielded since before this prompt's post). The owed
+step of decodes or is owed one (it has yielded since before this prompt's post, and no
+other engine computes a prompt it would still yield to). The owed
 engine then steps on every core and yields again, to the pending prompt. A step of decodes
 beside a prompt's pass costs the pass more than its own time: the two run on three threads
 over two cores, and the prompt's threads wait for each other (a yield cut every second lost
@@ -93,8 +94,10 @@ def prompt_steps(me: int, posts: dict[int, Post]) -> frozenset[tuple[int, float]
 
 def owed(me: int, posts: dict[int, Post], at: float) -> bool:
     """Whether another slot yields since before `at` (slot `me`'s pending prompt): it
-    yielded to an earlier prompt step, which has ended, and is owed one step."""
-    return any(0.0 < p.yielding < at for s, p in posts.items() if s != me)
+    yielded to an earlier prompt step, which has ended, and is owed one step. Not while
+    another slot computes a prompt: the yielding one waits for that step anyway."""
+    others = [p for s, p in posts.items() if s != me]
+    return any(0.0 < p.yielding < at for p in others) and not any(p.busy and p.queued > 0 for p in others)
 
 
 def decoding(me: int, posts: dict[int, Post]) -> bool:
