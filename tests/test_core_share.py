@@ -16,7 +16,7 @@ import torch
 
 from kvrelay.core.config import KVCacheConfig, SchedulerConfig
 from kvrelay.engine.core import EngineCore
-from kvrelay.engine.core_share import (FIELDS, PREFILL_WAIT, STALE, YIELD_MAX, YIELD_POLL, CoreShare, Post, _runs,
+from kvrelay.engine.core_share import (FIELDS, IDLE_REFRESH, PREFILL_WAIT, STALE, YIELD_MAX, YIELD_POLL, CoreShare, Post, _runs,
                                        host_cores, owed, share, prompt_steps)
 from kvrelay.engine.types import GenerateRequest, SamplingParams
 
@@ -295,6 +295,30 @@ def test_an_engine_skips_its_decode_steps_while_another_computes_a_prompt(shared
         core.step()
     assert core.yielded_steps == 5
     assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 4
+    core.check_idle()
+
+
+def test_an_idle_engine_takes_every_core_back_once_the_other_is_idle_too(shared_engine):
+    """An engine that went idle while the other decoded read its share then (the cores the
+    other left); once the other is idle too it re-reads the file within IDLE_REFRESH and
+    runs on every core, without posting again."""
+    core, other = shared_engine
+    cores, outs = host_cores(), []
+    core.add(GenerateRequest("r", tuple(range(3, 20)), SamplingParams(max_tokens=2, temperature=0.0)), outs.append)
+    while core.has_work:
+        core.step()
+    other.post(True, 0)                      # the other decodes as this one goes idle
+    core.step()
+    assert torch.get_num_threads() == max(1, cores - 1)
+    stamp = core.core_share._table[0 * FIELDS + 3]
+    other.post(False)
+    deadline = time.monotonic() + 10 * IDLE_REFRESH
+    while torch.get_num_threads() != cores and time.monotonic() < deadline:
+        time.sleep(IDLE_REFRESH / 5)
+        core.step()
+    assert torch.get_num_threads() == cores
+    assert core.core_share._table[0 * FIELDS + 3] == stamp   # read, not posted
+    assert outs[-1].finished
     core.check_idle()
 
 

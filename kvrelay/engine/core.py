@@ -18,7 +18,7 @@ from kvrelay.core.clock import Clock, MonotonicClock
 from kvrelay.core.config import KVCacheConfig, SchedulerConfig
 from kvrelay.core.kvlayout import KVLayout
 from kvrelay.engine.allocator import PageAllocator
-from kvrelay.engine.core_share import YIELD_POLL, CoreShare
+from kvrelay.engine.core_share import IDLE_REFRESH, YIELD_POLL, CoreShare
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.grammar import GrammarCompiler
 from kvrelay.engine.hooks import EngineHooks, PassProgress
@@ -105,6 +105,7 @@ class EngineCore:
         # on the engine thread, the one whose OpenMP thread count torch.set_num_threads sets)
         self.core_share = CoreShare.from_spec(sched_cfg.core_share) if sched_cfg.core_share else None
         self._posted_work = True   # the last post may say busy: the first step posts
+        self._idle_read = 0.0      # when an idle step last re-read the share (_refresh_idle_threads)
         self.yielded_steps = 0   # steps of decodes skipped for another engine's prompt (core_share)
         self.yielded_s = 0.0     # and the seconds they waited
         # Installed by AsyncEngine: answers the read-only calls queued for the loop. Called
@@ -349,9 +350,24 @@ class EngineCore:
         posts that once: every further idle step (a decode worker polls every few
         milliseconds while a prompt computes elsewhere) leaves the file alone."""
         if not busy and not self._posted_work:
+            self._refresh_idle_threads()
             return
         self._posted_work = busy
         n = self.core_share.threads(busy, self._queued_prompt() if busy else 0)
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+
+    def _refresh_idle_threads(self) -> None:
+        """An idle engine's count, read when it posted, goes stale once the others finish
+        (it posted while another decoded): below every core, it re-reads the file (posts
+        nothing), at most every IDLE_REFRESH seconds."""
+        if torch.get_num_threads() >= self.core_share.cores:
+            return
+        now = time.monotonic()
+        if now - self._idle_read < IDLE_REFRESH:
+            return
+        self._idle_read = now
+        n = self.core_share.idle_threads()
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
 

@@ -67,6 +67,7 @@ STALE = 60.0   # seconds: a post older than this is an engine that no longer ste
 YIELD_MAX = 8.0
 YIELD_POLL = 0.02    # seconds: the longest a waiting engine sleeps before it reads the file again
 PREFILL_WAIT = 0.25  # seconds: the longest a prompt's step waits for another engine's decode step
+IDLE_REFRESH = 0.5   # seconds: how often an idle engine below every core re-reads its share
 
 
 @dataclass(frozen=True)
@@ -252,6 +253,10 @@ class CoreShare:
             self._sleep(min(YIELD_POLL, left))
             posts = self.posts()
         self.post(True, queued, at=at)
+        return share(self.slot, self.posts(), self.cores)
+
+    def idle_threads(self) -> int:
+        """The threads of this engine, idle (as it last posted), from the posts now."""
         return share(self.slot, self.posts(), self.cores)
 
     def should_yield(self, decodes_only: bool) -> bool:
