@@ -29,7 +29,9 @@ Waiting engines sleep on a datagram socket of their slot (an abstract Unix addre
 after FILE and the slot), which every post that changes what the others wait on pokes: a
 yielding engine takes its step as soon as the prompt's step ends, and wakes every
 YIELD_POLL otherwise (for its loop), not every few milliseconds: each wake-up takes a core
-from a prompt's threads in the middle of a parallel region.
+from a prompt's threads in the middle of a parallel region. A datagram's bytes are never
+read: whoever sends one (any local process can) only wakes a waiter early, which then
+reads the file as at any wake-up.
 
 Invariants:
 - Every engine runs on at least one thread, and the engines that posted work run on at most
