@@ -17,11 +17,11 @@
 #include <math.h>
 #include <stdint.h>
 
-#define PF_MR 4
+#define PF_MR 6
 #if V == 16
-#define PF_NV 4  /* 16 accumulators of 32 registers */
+#define PF_NV 4  /* 24 accumulators of 32 registers */
 #else
-#define PF_NV 2  /* 8 accumulators of 16 registers */
+#define PF_NV 2  /* 12 accumulators of 16 registers (two FMA pipes of latency 5 need 10) */
 #endif
 #define PF_KEY_PAD (PF_NV * V)
 
@@ -31,13 +31,13 @@ static inline __attribute__((always_inline)) void pf_kernel(const float *a, int6
                                                             int64_t ldb, int64_t kn, float scale, float *c,
                                                             int64_t ldc, int mr, int nv) {
     vf acc[PF_MR * 4];  /* pf_matmul instantiates up to 4 vectors a row */
-#pragma GCC unroll 16
+#pragma GCC unroll 24
     for (int i = 0; i < mr * nv; ++i) acc[i] = VZERO();
     for (int64_t k = 0; k < kn; ++k) {
         vf w[4];
 #pragma GCC unroll 4
         for (int j = 0; j < nv; ++j) w[j] = VLOADF(b + k * ldb + j * V);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < mr; ++r) {
             const vf x = VSET1(a[r * lda + k]);
 #pragma GCC unroll 4
@@ -45,7 +45,9 @@ static inline __attribute__((always_inline)) void pf_kernel(const float *a, int6
         }
     }
     const vf sc = VSET1(scale);
+#pragma GCC unroll 8
     for (int r = 0; r < mr; ++r)
+#pragma GCC unroll 4
         for (int j = 0; j < nv; ++j) VSTOREF(c + r * ldc + j * V, VMUL(acc[r * nv + j], sc));
 }
 
@@ -57,7 +59,7 @@ static void pf_matmul(const float *a, int64_t lda, const float *b, int64_t ldb, 
         switch (mr * 8 + nv) {
 #define PF_CASE(MR, NV) case MR * 8 + NV: pf_kernel(a, lda, b + c0, ldb, kn, scale, c + c0, ldc, MR, NV); break;
 #define PF_ROWS(MR) PF_CASE(MR, 1) PF_CASE(MR, 2) PF_CASE(MR, 3) PF_CASE(MR, 4)
-        PF_ROWS(1) PF_ROWS(2) PF_ROWS(3) PF_ROWS(4)
+        PF_ROWS(1) PF_ROWS(2) PF_ROWS(3) PF_ROWS(4) PF_ROWS(5) PF_ROWS(6)
 #undef PF_ROWS
 #undef PF_CASE
         default: break;
