@@ -39,14 +39,8 @@ async def lines(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[bytes
     cores, once per streamed token."""
     tail = b""
     async for chunk in chunks:
-        if b"\n" not in chunk:
-            tail += chunk
-            if len(tail) > limit:
-                raise ValueError(f"a line longer than {limit} bytes")
-            continue
-        parts = (tail + chunk).split(b"\n") if tail else chunk.split(b"\n")
-        tail = parts.pop()
-        for line in parts:
+        *done, tail = (tail + chunk).split(b"\n")
+        for line in done:
             if len(line) > limit:
                 raise ValueError(f"a line longer than {limit} bytes")
             yield line[:-1] if line.endswith(b"\r") else line

@@ -367,7 +367,7 @@ class EngineCore:
         if now - self._idle_read < IDLE_REFRESH:
             return
         self._idle_read = now
-        n = self.core_share.idle_threads()
+        n = self.core_share.current_threads()
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
 

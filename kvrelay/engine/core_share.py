@@ -245,7 +245,7 @@ class CoreShare:
         one: that engine yields to the prompt once its step ends."""
         if not (busy and queued > 0):
             self.post(busy, queued)
-            return share(self.slot, self.posts(), self.cores)
+            return self.current_threads()
         at = self.post(False, queued)
         posts, started = self.posts(), self._clock()
         for _ in range(math.ceil(PREFILL_WAIT / YIELD_POLL)):   # bounded even by a clock that stands still
@@ -255,10 +255,10 @@ class CoreShare:
             self._sleep(min(YIELD_POLL, left))
             posts = self.posts()
         self.post(True, queued, at=at)
-        return share(self.slot, self.posts(), self.cores)
+        return self.current_threads()
 
-    def idle_threads(self) -> int:
-        """The threads of this engine, idle (as it last posted), from the posts now."""
+    def current_threads(self) -> int:
+        """The threads of this engine, as it last posted, from the posts now (posts nothing)."""
         return share(self.slot, self.posts(), self.cores)
 
     def should_yield(self, decodes_only: bool) -> bool:
