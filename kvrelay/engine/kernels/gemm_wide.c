@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "vec.h"
+#include "worksteal.h"
 
 #ifdef KVRELAY_VEC
 #include <omp.h>
@@ -35,6 +36,10 @@
  * stays in L2 while the weight blocks stream past (at 2,048 rows, without it, x came from
  * L3 once per column block: 170-190 against 190-210 GFLOPS on a Zen 2). */
 #define ROW_BYTES (256 * 1024)
+/* Work a stolen unit of column blocks holds, in flops (a 32-row decode step: 1 block of
+ * K = 1,536; one row: ~30 blocks), and the runs x threads that stealing keeps words for. */
+#define UNIT_FLOPS 1000000
+#define WORDS 2048
 
 int gemm_wide_available(void) { return 1; }
 int64_t gemm_wide_block(void) { return BLOCK; }
@@ -125,8 +130,9 @@ static void tile_any(const float *x, int64_t K, const void *packed, int64_t b0, 
 }
 
 /* out [M][N] float32 (row-major) from x [M][K] float32 and a packed weight; bias float32
- * padded to a multiple of 2V, or NULL. Each thread takes an equal contiguous run of
- * column blocks; it runs a run of rows (ROW_BYTES of x) over all of them, then the next.
+ * padded to a multiple of 2V, or NULL. Each thread takes an equal contiguous part of the
+ * column blocks and runs a run of rows (ROW_BYTES of x) over them, then the next run;
+ * a thread done with its part takes units (UNIT_FLOPS) from the others' (worksteal.h).
  * The rows of a run are cut into tiles of near-equal height (32 rows: 6,6,5,5,5,5, not
  * 6,6,6,6,6,2), since a short tile has too few accumulators to hide the FMA latency.
  * Weights stream from DRAM (a model's are larger than L3), so while a block runs its tiles
@@ -139,11 +145,17 @@ void gemm_wide(const float *x, int64_t M, int64_t K, const void *packed, int64_t
     const int64_t nblocks = (N + BLOCK - 1) / BLOCK, esize = bf16 ? 2 : 4;
     int64_t run = ROW_BYTES / (K * (int64_t)sizeof(float)) / MR_MAX * MR_MAX;
     if (run < MR_MAX) run = MR_MAX;
+    const int64_t nruns = (M + run - 1) / run;
+    int64_t unit = (UNIT_FLOPS / (2 * (M < run ? M : run) * K * BLOCK) + NB_MAX - 1) / NB_MAX * NB_MAX;
+    if (unit < NB_MAX) unit = NB_MAX;
+    uint64_t words[WORDS];   /* run r's parts: words[r * team ..] */
+    const int64_t team = ws_team(), stealing = team > 0 && nruns * team <= WORDS;
+    if (stealing)
+        for (int64_t r = 0; r < nruns; ++r) ws_init(words + r * team, nblocks, team, unit);
     _Pragma("omp parallel if(nblocks > 1)")
     {
-        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-        const int64_t lo = nblocks * t / T, hi = nblocks * (t + 1) / T;
-        for (int64_t r0 = 0; r0 < M; r0 += run) {
+        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads(), steal = stealing && T == team;
+        for (int64_t r = 0, r0 = 0; r0 < M; ++r, r0 += run) {
             const int64_t rows = M - r0 < run ? M - r0 : run;
             const int64_t tiles = (rows + MR_MAX - 1) / MR_MAX, base = rows / tiles, extra = rows % tiles;
             /* each tile's prefetch share of the next NB_MAX blocks: `share` lines, pf_lines
@@ -151,14 +163,18 @@ void gemm_wide(const float *x, int64_t M, int64_t K, const void *packed, int64_t
             const int64_t share = (NB_MAX * K * BLOCK * esize / tiles + 63) / 64;
             const int pf_lines = (int)((share + K - 1) / K);
             const int64_t pf_every = K / ((share + pf_lines - 1) / pf_lines);
-            for (int64_t b0 = lo; b0 < hi; b0 += NB_MAX) {
-                const int nb = (int)(hi - b0 < NB_MAX ? hi - b0 : NB_MAX);
-                const char *next = (const char *)packed + (b0 + nb) * K * BLOCK * esize;
-                for (int64_t i = 0, m0 = r0; i < tiles; ++i) {
-                    const int mr = (int)(base + (i < extra));
-                    tile_any(x, K, packed, b0, bias, out, N, m0, mr, nb, bf16, next + i * share * 64, pf_every,
-                             pf_lines);
-                    m0 += mr;
+            int64_t cursor = 0, lo, hi;
+            if (!steal) ws_part(nblocks, t, T, &lo, &hi);
+            while (steal ? ws_next(words + r * team, nblocks, t, T, unit, &cursor, &lo, &hi) : cursor++ == 0) {
+                for (int64_t b0 = lo; b0 < hi; b0 += NB_MAX) {
+                    const int nb = (int)(hi - b0 < NB_MAX ? hi - b0 : NB_MAX);
+                    const char *next = (const char *)packed + (b0 + nb) * K * BLOCK * esize;
+                    for (int64_t i = 0, m0 = r0; i < tiles; ++i) {
+                        const int mr = (int)(base + (i < extra));
+                        tile_any(x, K, packed, b0, bias, out, N, m0, mr, nb, bf16, next + i * share * 64, pf_every,
+                                 pf_lines);
+                        m0 += mr;
+                    }
                 }
             }
         }

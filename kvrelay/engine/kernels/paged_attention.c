@@ -2,7 +2,8 @@
  * and values read once, in place, from the page-major layout of kvrelay.core.kvlayout:
  *     pool[page][layer][k|v][kv_head][slot][dim]
  * Work item w = (sequence w / H, kv head w % H) covers that kv head's G query heads and
- * writes only its own output rows; items in [lo, hi) are spread over OpenMP threads.
+ * writes only its own output rows; items in [lo, hi) are spread over OpenMP threads, a
+ * thread done with its part taking DEC_UNIT items at a time from the others' (worksteal.h).
  * Built with -fopenmp and loaded after torch, the library binds to torch's libgomp (same
  * soname), so these threads are torch's own team, not a second one competing for cores.
  * Scores are computed in float32 in a first pass, softmax-normalised, then used to
@@ -18,12 +19,14 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "worksteal.h"
 #include "paged_attention_avx512.h"
 #include "prefill_attention_avx512.h"
 #include "paged_attention_f32.h"
 #include "prefill_attention_f32.h"
 
 #define MAX_GROUP 16
+#define DEC_UNIT 2   /* work items a stolen unit holds (worksteal.h) */
 
 /* One work item, head dim DIM (a constant when specialised); the pool holds T, q and out TQ. */
 #define DEFINE_ITEM(NAME, T, LOAD, TQ, LOADQ, STOREQ, DIM)                                    \
@@ -70,13 +73,20 @@ int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const
     for (int64_t w = lo; w < hi; ++w)                                                        \
         if (kv_lens[w / H] > longest) longest = kv_lens[w / H];                              \
     int failed = 0;                                                                          \
+    uint64_t words[WS_MAX_THREADS];                                                          \
+    const int64_t team = ws_team(), n = hi - lo;                                             \
+    if (team > 0) ws_init(words, n, team, DEC_UNIT);                                         \
     _Pragma("omp parallel reduction(|:failed)")                                              \
     {                                                                                        \
         float *scores = malloc(sizeof(float) * (size_t)((FAST) ? FAST_SCRATCH(G, longest)    \
                                                                : SCRATCH(G, longest)));      \
         if (!scores) failed = 1;                                                             \
-        _Pragma("omp for schedule(static)")                                                  \
-        for (int64_t w = lo; w < hi; ++w) {                                                  \
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();                 \
+        const int steal = team > 0 && nt == team;                                            \
+        int64_t cursor = 0, i0, i1;                                                          \
+        if (!steal) ws_part(n, t, nt, &i0, &i1);                                             \
+        while (steal ? ws_next(words, n, t, nt, DEC_UNIT, &cursor, &i0, &i1) : cursor++ == 0) \
+        for (int64_t w = lo + i0; w < lo + i1; ++w) {                                        \
             if (failed) continue;                                                            \
             const int64_t b = w / H, h = w % H, off = ((b * H + h) * G) * D;                 \
             if (FAST)                                                                        \
