@@ -106,9 +106,10 @@ static inline void stf(float *p, vf v) { _mm256_storeu_ps(p, v); }
 #endif
 
 #ifdef QG_NATIVE
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "worksteal.h"
+
+/* Multiply-adds a stolen unit of column blocks holds (one row: 16 blocks at K = 576). */
+#define UNIT_MACS 150000
 
 typedef struct {
     const int8_t *xq;     /* [M][Kp] */
@@ -333,23 +334,28 @@ int gemm_quant(const void *x, int xbf16, int64_t M, int64_t K, const uint8_t *w,
     const Job *J = &job;
     const int64_t nblocks = (N + 15) / 16;
     const int nbmax = M == 1 ? NB_ONE : NB_MAX;
+    /* a stolen unit (worksteal.h): whole tiles of column blocks, about UNIT_MACS */
+    int64_t unit = (UNIT_MACS / (M * Kp * 16) + nbmax - 1) / nbmax * nbmax;
+    if (unit < nbmax) unit = nbmax;
+    uint64_t words[WS_MAX_THREADS];
+    const int64_t team = ws_team();
+    if (team > 0) ws_init(words, nblocks, team, unit);
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < M * KB; ++i) quant_block(x, xbf16, K, i / KB, i % KB, J);
-#ifdef _OPENMP
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-#else
-        const int64_t nt = 1, tid = 0;
-#endif
-        const int64_t lo = nblocks * tid / nt, hi = nblocks * (tid + 1) / nt;
-        for (int64_t b0 = lo; b0 < hi; b0 += nbmax) {
-            const int nb = (int)(hi - b0 < nbmax ? hi - b0 : nbmax);
-            for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
-                const int mr = (int)(M - m0 < MR_MAX ? M - m0 : MR_MAX);
-                tile_mode(J, m0, b0, mode, mr, nb);
+        const int steal = team > 0 && nt == team;
+        int64_t cursor = 0, lo, hi;
+        if (!steal) ws_part(nblocks, tid, nt, &lo, &hi);
+        while (steal ? ws_next(words, nblocks, tid, nt, unit, &cursor, &lo, &hi) : cursor++ == 0)
+            for (int64_t b0 = lo; b0 < hi; b0 += nbmax) {
+                const int nb = (int)(hi - b0 < nbmax ? hi - b0 : nbmax);
+                for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+                    const int mr = (int)(M - m0 < MR_MAX ? M - m0 : MR_MAX);
+                    tile_mode(J, m0, b0, mode, mr, nb);
+                }
             }
-        }
     }
     free(xq), free(dx), free(xs);
     return 0;
