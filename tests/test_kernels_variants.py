@@ -19,6 +19,7 @@ from kvrelay.engine.kernels.wide import wide_gemm
 from kvrelay.engine.kv_pool import KVPool
 from kvrelay.engine.loader import load_model
 from kvrelay.engine.models.linear import Linear, WeightFormat
+from kvrelay.engine.models.quant_linear import quant_forward, quantize
 from kvrelay.engine.models.testing import make_tiny_model_dir
 from kvrelay.engine.runner import SeqChunk, build_forward_batch
 
@@ -133,6 +134,38 @@ def test_wide_gemm(variant, stored, M, N, K, bias):
     got = g(x, g.pack(w), N, g.pad_bias(b))
     assert got.dtype == torch.float32 and got.shape == (M, N)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-4 * K ** 0.5)
+
+
+def test_work_split_among_more_threads_than_cores_gives_the_one_thread_result(variant):
+    """Each part of a kernel's work, and each unit a thread takes from another's part
+    (worksteal.h), is computed exactly once and the same way: with 4 threads on this
+    machine's cores (threads preempted, parts taken over) the float32 matmul, the
+    quantized matmul and the decode attention equal their one-thread results bit for bit."""
+    if variant is None:
+        return
+    gen = torch.Generator().manual_seed(14)
+    g = wide_gemm()
+    x, w = torch.randn(32, 576, generator=gen), torch.randn(960, 576, generator=gen).bfloat16()
+    packed = g.pack(w)
+    qw = quantize(torch.randn(1000, 576, generator=gen), WeightFormat(compute=torch.float32, store="int4"))
+    pool, page_table, kv_lens = make_pool(gen, torch.bfloat16, [33, 100, 7, 64] * 4, 16, 64, 3)
+    q = torch.randn(16, 9, 64, generator=gen)
+    attend = kernels.paged_decode()
+
+    def run():
+        return (g(x, packed, 960, None), quant_forward(x[:3], qw, None),
+                attend(pool, page_table, kv_lens, q, layer=1, num_kv_heads=3, page_size=16, scale=0.125))
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = run()
+        torch.set_num_threads(4)
+        for _ in range(20):
+            for got, ref in zip(run(), want):
+                assert torch.equal(got, ref)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("rows", [1, 32, 129, 300])

@@ -347,8 +347,7 @@ int gemm_quant(const void *x, int xbf16, int64_t M, int64_t K, const uint8_t *w,
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
         const int steal = team > 0 && nt == team;
         int64_t cursor = 0, lo, hi;
-        if (!steal) ws_part(nblocks, tid, nt, &lo, &hi);
-        while (steal ? ws_next(words, nblocks, tid, nt, unit, &cursor, &lo, &hi) : cursor++ == 0)
+        while (ws_next(words, steal, nblocks, tid, nt, unit, &cursor, &lo, &hi))
             for (int64_t b0 = lo; b0 < hi; b0 += nbmax) {
                 const int nb = (int)(hi - b0 < nbmax ? hi - b0 : nbmax);
                 for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {

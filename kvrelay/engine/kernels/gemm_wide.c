@@ -164,8 +164,7 @@ void gemm_wide(const float *x, int64_t M, int64_t K, const void *packed, int64_t
             const int pf_lines = (int)((share + K - 1) / K);
             const int64_t pf_every = K / ((share + pf_lines - 1) / pf_lines);
             int64_t cursor = 0, lo, hi;
-            if (!steal) ws_part(nblocks, t, T, &lo, &hi);
-            while (steal ? ws_next(words + r * team, nblocks, t, T, unit, &cursor, &lo, &hi) : cursor++ == 0) {
+            while (ws_next(words + r * team, steal, nblocks, t, T, unit, &cursor, &lo, &hi)) {
                 for (int64_t b0 = lo; b0 < hi; b0 += NB_MAX) {
                     const int nb = (int)(hi - b0 < NB_MAX ? hi - b0 : NB_MAX);
                     const char *next = (const char *)packed + (b0 + nb) * K * BLOCK * esize;

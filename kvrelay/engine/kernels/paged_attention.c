@@ -84,8 +84,7 @@ int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();                 \
         const int steal = team > 0 && nt == team;                                            \
         int64_t cursor = 0, i0, i1;                                                          \
-        if (!steal) ws_part(n, t, nt, &i0, &i1);                                             \
-        while (steal ? ws_next(words, n, t, nt, DEC_UNIT, &cursor, &i0, &i1) : cursor++ == 0) \
+        while (ws_next(words, steal, n, t, nt, DEC_UNIT, &cursor, &i0, &i1))                 \
         for (int64_t w = lo + i0; w < lo + i1; ++w) {                                        \
             if (failed) continue;                                                            \
             const int64_t b = w / H, h = w % H, off = ((b * H + h) * G) * D;                 \

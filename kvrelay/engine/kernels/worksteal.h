@@ -5,13 +5,13 @@
  * Why: a host whose cores also run the router, the client and the workers' event loops
  * preempts one thread of a team now and then. Under a static schedule the whole call
  * then waits for that thread's part; here the other threads take what it has not begun
- * (a 32-row decode step's matmuls under a 10%-of-a-core interferer, Zen 2: 49.9 -> 47.5
- * ms; `serve` on workload (b): 170.8 -> 175.2 output tokens/s, alternated rounds).
+ * (a 32-row decode step's matmuls beside a 10%-of-a-core interferer, Zen 2: 49.9 -> 47.5
+ * ms; `serve` on workload (b): 174.0 -> 178.8 output tokens/s, alternated rounds).
  * Without interference the owner's front-to-back order keeps the static schedule's
  * locality; a claim is one compare-and-swap.
  *
- * Use: ws_init() every part's word before the parallel region (the team must have
- * ws_team() threads, else run the static part), then loop on ws_next() inside it. */
+ * Use: ws_init() every part's word before the parallel region, then loop on ws_next()
+ * inside it, stealing only when the team has the ws_team() threads the words are for. */
 #ifndef KVRELAY_WORKSTEAL_H
 #define KVRELAY_WORKSTEAL_H
 #include <stdint.h>
@@ -53,9 +53,14 @@ static inline int64_t ws_claim(uint64_t *word, int front) {
 }
 
 /* Thread t's next items [*lo, *hi) of n: its own part's front first, then the other
- * parts' backs in turn (*cursor, from 0, is how far it has gone). 0 when all are taken. */
-static inline int ws_next(uint64_t *words, int64_t n, int64_t t, int64_t nt, int64_t unit, int64_t *cursor,
-                          int64_t *lo, int64_t *hi) {
+ * parts' backs in turn (*cursor, from 0, is how far it has gone); without `steal` (a team
+ * of another size than the words') its whole part, once. 0 when all are taken. */
+static inline int ws_next(uint64_t *words, int steal, int64_t n, int64_t t, int64_t nt, int64_t unit,
+                          int64_t *cursor, int64_t *lo, int64_t *hi) {
+    if (!steal) {
+        ws_part(n, t, nt, lo, hi);
+        return (*cursor)++ == 0;
+    }
     for (; *cursor < nt; ++*cursor) {
         const int64_t v = (t + *cursor) % nt;
         const int64_t u = ws_claim(&words[v], *cursor == 0);
