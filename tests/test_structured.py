@@ -390,12 +390,14 @@ def test_json_schema_and_required_tools_disaggregated(tiny_llama_dir):
     with running_server("--model", f"random:{tiny_llama_dir}", "--dtype", "float32", "--max-kv-tokens", "16384",
                         "--served-model-name", "tiny") as url:
         async def run():
-            client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
-            people = await json_answers(client, "tiny")
-            calls = await asyncio.gather(*(
-                client.chat.completions.create(model="tiny", messages=user(f"Task {i}"), tools=TOOLS, seed=i,
-                                               tool_choice="required", parallel_tool_calls=False, max_tokens=120)
-                for i in range(2)))
+            # Closed here, on this loop: left open, its sockets were closed by the garbage
+            # collector inside a later test's loop ("Event loop is closed" in that test).
+            async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120) as client:
+                people = await json_answers(client, "tiny")
+                calls = await asyncio.gather(*(
+                    client.chat.completions.create(model="tiny", messages=user(f"Task {i}"), tools=TOOLS, seed=i,
+                                                   tool_choice="required", parallel_tool_calls=False, max_tokens=120)
+                    for i in range(2)))
             return people, calls
 
         people, calls = asyncio.run(run())
