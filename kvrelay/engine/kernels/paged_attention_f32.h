@@ -95,6 +95,13 @@ static inline void dec_reduce4(const vf *a, float *dst) {
  * key and value vector is widened once per DEC_GC heads, not once per head. Keys are
  * walked by (page, slot) counters: no division in the loop. */
 #define DEC_GC 3
+/* BLOCK(GC, ...) for the GC = min(DEC_GC, G - g0) heads from g0, GC a constant. */
+#define DEC_HEADS(BLOCK, ...)                                                                     \
+    switch (G - g0 < DEC_GC ? G - g0 : DEC_GC) {                                                  \
+    case 1: BLOCK(1, __VA_ARGS__) break;                                                          \
+    case 2: BLOCK(2, __VA_ARGS__) break;                                                          \
+    default: BLOCK(3, __VA_ARGS__) break;                                                         \
+    }
 #define DEFINE_DEC_ITEM(NAME, T, LOADV, TQ, LOADQ, STOREQ, DIM)                                   \
 static void NAME(const T *pool, const int64_t *pages, int64_t n, const TQ *q, TQ *out,            \
                  int64_t layer, int64_t L, int64_t H, int64_t h, int64_t G, int64_t S,            \
@@ -124,20 +131,12 @@ static void NAME(const T *pool, const int64_t *pages, int64_t n, const TQ *q, TQ
         }                                                                                         \
         for (int64_t g0 = 0; g0 < G; g0 += DEC_GC)                                                \
             for (int jb = 0; jb < V && t0 + jb < n; jb += 4)                                      \
-                switch (G - g0 < DEC_GC ? G - g0 : DEC_GC) {                                      \
-                case 1: DEC_SCORE4(1, LOADV) break;                                               \
-                case 2: DEC_SCORE4(2, LOADV) break;                                               \
-                default: DEC_SCORE4(3, LOADV) break;                                              \
-                }                                                                                 \
+                DEC_HEADS(DEC_SCORE4, LOADV)                                                      \
     }                                                                                             \
     for (int64_t g = 0; g < G; ++g) dec_softmax(scores + g * npad, n);                            \
     for (int64_t g0 = 0; g0 < G; g0 += DEC_GC)                                                    \
         for (int c0 = 0; c0 < C; c0 += 4)                                                         \
-            switch (G - g0 < DEC_GC ? G - g0 : DEC_GC) {                                          \
-            case 1: DEC_VALUES4(1, T, LOADV) break;                                               \
-            case 2: DEC_VALUES4(2, T, LOADV) break;                                               \
-            default: DEC_VALUES4(3, T, LOADV) break;                                              \
-            }                                                                                     \
+            DEC_HEADS(DEC_VALUES4, T, LOADV)                                                      \
     for (int64_t i = 0; i < G * DIM; ++i) out[i] = STOREQ(o[i]);                                  \
 }
 
