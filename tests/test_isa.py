@@ -113,12 +113,15 @@ def test_dtype_auto_is_bfloat16_only_where_the_cpu_computes_it(tiny_llama_dir, v
     loaded = _tiny(tiny_llama_dir, kernels=variant)
     native_bf16 = variant == "avx512_bf16"
     dtype = "bfloat16" if native_bf16 else "float32"
-    assert loaded.compute_info() == {"device": "cpu", "kernels": variant, "dtype": dtype, "weights": "same" if native_bf16 else "bf16",
-                                     "kv_cache": "bfloat16", "attention": attention.resolve("auto", "cpu", getattr(torch, dtype))}
+    tiles = "amx_bf16" if native_bf16 and "amx_bf16" in kernels.cpu_features() else "none"
+    assert loaded.compute_info() == {"device": "cpu", "kernels": variant, "tiles": tiles, "dtype": dtype,
+                                     "weights": "same" if native_bf16 else "bf16", "kv_cache": "bfloat16",
+                                     "attention": attention.resolve("auto", "cpu", getattr(torch, dtype))}
     if not os.environ.get(attention.ENV):   # --kernels torch runs no native attention either
         assert loaded.attention_backend == ("torch_ref" if variant == "torch" else "cpu_native")
     line = startup_line("colocated", loaded.compute_info(), loaded.name, 64, "http://x")
     assert f"kernels {variant}" in line and "KV cache bfloat16" in line
+    assert ("matmuls on amx_bf16 tiles" in line) == (tiles == "amx_bf16")
     explicit = _tiny(tiny_llama_dir, kernels=variant, dtype="float32")
     assert explicit.compute_info()["weights"] == "same" and explicit.compute_info()["kv_cache"] == "float32"
 

@@ -9,6 +9,7 @@ from kvrelay.engine import kernels
 # project's machines; elsewhere the torch paths run (tests/test_kernels_variants.py covers
 # the other variants).
 HAS_AVX512_BF16 = "avx512_bf16" in open("/proc/cpuinfo").read()
+HAS_AMX_BF16 = "amx_bf16" in open("/proc/cpuinfo").read()
 
 
 def reference(pool, page_table, kv_lens, q, layer, H, S, scale):
@@ -175,3 +176,28 @@ def test_native_gemm_matches_float32_matmul(M, N, K, bias):
     assert ((got.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-3 * K ** 0.5).all()
     exact = g(x, g.pack(w), N, b, out_dtype=torch.float32)  # unrounded: float32 up to sum order
     assert exact.dtype == torch.float32 and torch.allclose(exact, want, rtol=1e-5, atol=1e-4)
+
+
+# Row counts on both sides of the tiles' 16 and the kernel's 32-row blocks, column counts
+# that leave half a tile pair and a partial block, K from one tile step to many.
+@pytest.mark.parametrize("M,N,K,bias", [(32, 960, 576, False), (1, 576, 1536, True), (17, 37, 64, True),
+                                        (40, 100, 96, False), (128, 48, 32, True), (5, 16, 32, False)])
+def test_gemm_on_amx_tiles_matches_float32_matmul(M, N, K, bias):
+    g = kernels.gemm()
+    assert (g is not None and g.tiles) == (HAS_AVX512_BF16 and HAS_AMX_BF16)
+    if g is None or not g.tiles:   # a CPU without tiles: reported unavailable, never chosen
+        assert g is None or not g.fits_tiles(K)
+        return
+    assert g.fits_tiles(K) and not g.fits_tiles(K + 16)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+    w = torch.randn(N, K, generator=gen).to(torch.bfloat16)
+    b = torch.randn(N, generator=gen) if bias else None
+    want = x.float() @ w.float().t() + (b if bias else 0)
+    packed = g.pack(w)
+    got = g(x, packed, N, b, tiles=True)
+    assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+    assert ((got.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-3 * K ** 0.5).all()
+    exact = g(x, packed, N, b, out_dtype=torch.float32, tiles=True)
+    assert exact.dtype == torch.float32 and torch.allclose(exact, want, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(exact, g(x, packed, N, b, out_dtype=torch.float32), rtol=1e-5, atol=1e-4)

@@ -431,9 +431,10 @@ def test_bfloat16_logits_resolve_near_ties_in_float32():
 @pytest.mark.parametrize("amx", [False, True])
 def test_each_row_count_takes_the_path_chosen_for_this_cpu_and_computes_the_same(amx, monkeypatch):
     """bfloat16 matmuls: with AMX (cpuid amx_bf16) the native kernel takes up to
-    AMX_NATIVE_MAX_ROWS rows and oneDNN the rest; without, the native kernel takes up to
-    GEMM_MAX_ROWS. Both are forced here, whatever this CPU has; every row count matches a
-    float32 matmul of the same bfloat16 values, and the logits match their float32 sums."""
+    GEMM_MAX_ROWS rows on the tiles where K fits them, else up to AMX_NATIVE_MAX_ROWS rows
+    and oneDNN the rest; without AMX, the native kernel takes up to GEMM_MAX_ROWS. Both are
+    forced here (the tiles only where this CPU has them); every row count matches a float32
+    matmul of the same bfloat16 values, and the logits match their float32 sums."""
     from kvrelay.engine.kernels import gemm
     from kvrelay.engine.models import linear
 
@@ -442,10 +443,13 @@ def test_each_row_count_takes_the_path_chosen_for_this_cpu_and_computes_the_same
     w = (torch.randn(200, 96, generator=gen) * 0.1).to(torch.bfloat16)
     bias = torch.randn(200, generator=gen).to(torch.bfloat16)
     packed = linear.pack_weight(w, bias)
+    limit = linear.AMX_NATIVE_MAX_ROWS if amx else linear.GEMM_MAX_ROWS
     if gemm() is None or packed.onednn is None:   # no native bf16 kernel, or no oneDNN bf16: one path only
         assert packed is None or packed.native is None or packed.onednn is None
     else:
-        assert linear.native_max_rows(packed) == (linear.AMX_NATIVE_MAX_ROWS if amx else linear.GEMM_MAX_ROWS)
+        assert packed.tiles == (amx and gemm().tiles)
+        limit = linear.GEMM_MAX_ROWS if packed.tiles else limit
+        assert linear.native_max_rows(packed) == limit
     calls = []
     real_gemm = gemm()
     if real_gemm is not None:
@@ -458,6 +462,5 @@ def test_each_row_count_takes_the_path_chosen_for_this_cpu_and_computes_the_same
         logits = linear.lm_head_logits(x, w, packed)
         assert torch.equal(logits.argmax(-1), (x.float() @ w.float().t()).argmax(-1)), rows
     if real_gemm is not None and packed.onednn is not None:
-        limit = linear.AMX_NATIVE_MAX_ROWS if amx else linear.GEMM_MAX_ROWS
         assert calls and all(r <= limit for r in calls)
         assert set(calls) == {r for r in (1, 8, 9, 40, 129) if r <= limit}

@@ -56,6 +56,7 @@ class LoadedModel:
     make_runner: Callable | None = None
     weights: str = "same"           # WeightFormat.store (", lm_head <store>" where the head differs)
     kernels: str = "torch"          # the native kernel variant the model was packed for
+    tiles: str = "none"             # "amx_bf16" where the bfloat16 matmuls run on AMX tiles
     device: str = "cpu"             # where the weights live; the KV pool and the sampler follow
     attention_backend: str = "auto"  # --attention-backend, resolved (engine.attention)
     # --kv-cache-dtype auto resolved (`auto_kv_dtype`); an engine's pool may differ under an
@@ -64,8 +65,8 @@ class LoadedModel:
 
     def compute_info(self) -> dict[str, str]:
         """What computes: reported at start-up and by /health."""
-        return {"device": self.device, "kernels": self.kernels, "dtype": self.dtype, "weights": self.weights,
-                "kv_cache": self.kv_cache or self.dtype, "attention": self.attention_backend}
+        return {"device": self.device, "kernels": self.kernels, "tiles": self.tiles, "dtype": self.dtype,
+                "weights": self.weights, "kv_cache": self.kv_cache or self.dtype, "attention": self.attention_backend}
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:
@@ -154,6 +155,8 @@ def load_model(opts: ModelOptions, progress: Progress | None = None) -> LoadedMo
     head = fmt.for_head.store
     loaded.weights = fmt.store if head == fmt.store else f"{fmt.store}, lm_head {head}"
     loaded.kernels = kernels.isa()
+    g = kernels.gemm() if device == "cpu" and loaded.dtype == "bfloat16" and fmt.store == "same" else None
+    loaded.tiles = "amx_bf16" if g is not None and g.tiles else "none"
     loaded.device = device
     loaded.attention_backend = attention_backend
     loaded.kv_cache = kv_cache

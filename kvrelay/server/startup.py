@@ -176,7 +176,8 @@ def load_with_progress(load_model, opts):
 def startup_line(role: str, info: dict[str, str], model: str, kv_tokens: int, url: str) -> str:
     """The line a server prints once it serves; `info`: `EngineCore.compute_info()`."""
     where = "" if info["device"] == "cpu" else f"on {info['device']}, "
-    return (f"kvrelay {role}: model {model} ({where}{info['dtype']}, kernels {info['kernels']}, weights "
+    tiles = "" if info.get("tiles", "none") == "none" else f" (matmuls on {info['tiles']} tiles)"
+    return (f"kvrelay {role}: model {model} ({where}{info['dtype']}, kernels {info['kernels']}{tiles}, weights "
             f"{info['weights']}, KV cache {info['kv_cache']}, attention {info['attention']}), "
             f"KV capacity {kv_tokens} tokens, serving on {url}")
 

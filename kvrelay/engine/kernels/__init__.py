@@ -100,12 +100,28 @@ class PagedPrefill(_PoolAttention):
 class Gemm:
     """Small-batch bfloat16 matmul (see gemm_bf16.c): `pack` a weight [N, K] once, then
     `__call__(x [M, K], packed, N, bias32)` -> [M, N] bfloat16. AVX-512 BF16 CPUs only:
-    `gemm()` is None elsewhere."""
+    `gemm()` is None elsewhere. With `tiles=True` the same packed weight is multiplied on
+    the AMX tiles (gemm_amx.c); only where `fits_tiles(K)`."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._pack, self._mm = lib.gemm_pack_bf16, lib.gemm_bf16
         self._pack.restype, self._pack.argtypes = None, [_P, _I64, _I64, _P]
         self._mm.restype, self._mm.argtypes = None, [_P, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int]
+        self._fits = lib.gemm_amx_fits
+        self._fits.restype, self._fits.argtypes = ctypes.c_int, [_I64]
+        # cpuid first: the permission request is a Linux syscall, made only on a CPU with tiles.
+        self._amx = lib.gemm_bf16_amx if amx_bf16() and lib.gemm_amx_available() else None
+        if self._amx is not None:
+            self._amx.restype, self._amx.argtypes = None, self._mm.argtypes
+
+    @property
+    def tiles(self) -> bool:
+        """The AMX kernel runs here: cpuid amx_bf16, compiled in, and Linux granted the tiles."""
+        return self._amx is not None
+
+    def fits_tiles(self, k: int) -> bool:
+        """Whether a weight with k input features can be multiplied on the tiles."""
+        return self.tiles and bool(self._fits(k))
 
     def pack(self, w: torch.Tensor) -> torch.Tensor:
         assert w.dtype == torch.bfloat16 and w.dim() == 2
@@ -116,14 +132,15 @@ class Gemm:
         return packed
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias32: torch.Tensor | None,
-                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                 out_dtype: torch.dtype = torch.bfloat16, tiles: bool = False) -> torch.Tensor:
         """out_dtype float32 returns the float32 sums, never rounded to bfloat16."""
         assert x.dtype == torch.bfloat16 and x.dim() == 2 and out_dtype in (torch.bfloat16, torch.float32)
         x = x.contiguous()
         M, K = x.shape
         assert packed.numel() == -(-n // 16) * -(-K // 2) * 32, "x does not match the packed weight"
+        assert not tiles or self.fits_tiles(K), "this matmul cannot run on the tiles"
         out = torch.empty(M, n, dtype=out_dtype)
-        self._mm(x.data_ptr(), M, K, packed.data_ptr(), n, None if bias32 is None else bias32.data_ptr(),
+        (self._amx if tiles else self._mm)(x.data_ptr(), M, K, packed.data_ptr(), n, None if bias32 is None else bias32.data_ptr(),
                  out.data_ptr(), int(out_dtype == torch.float32))
         return out
 

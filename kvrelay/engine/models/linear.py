@@ -13,11 +13,13 @@ matmuls at 32 rows took ~40 ms against ~110 (oneDNN pre-packed: ~40), at one row
 against 14 (shared, noisy cores: ratios, not absolutes). The AVX2 variant's kernel takes
 every row count (`WideGemm.all_rows`) and no oneDNN copy is kept: on a Zen 2 it ran the
 default model's shapes at 190-210 GFLOPS from 32 to 2,048 rows, oneDNN at 120-158.
-With AMX (Sapphire Rapids and later; cpuid amx_bf16), oneDNN runs bfloat16 matmuls on the
-tile unit, and from 16 rows it beats the native kernel: the default model's matmuls took
-5.6 ms against 9.6 at 16 rows, 7.1 against 18.6 at 32, 8.8 against 60 at 128, and
-the same (5.0-5.1 ms) at 8 rows, on a 2-core Xeon with AMX. So there the native kernel
-takes bfloat16 matmuls only up to AMX_NATIVE_MAX_ROWS rows.
+With AMX (Sapphire Rapids and later; cpuid amx_bf16), the same packed weight is multiplied
+on the tiles (`kernels/gemm_amx.c`) up to GEMM_MAX_ROWS rows where K is a multiple of 32.
+On a 2-core Xeon with AMX, weights streamed from memory, per layer of the default model:
+330 us at 32 rows against 471 through oneDNN (pre-packed) and 1,290 on the vdpbf16ps
+kernel; 290 against 406 at 8 rows, 638 against 746 at 128. Where K does not fit the tiles,
+oneDNN's AMX matmul beats the vdpbf16ps kernel from 16 rows, so that kernel takes only up
+to AMX_NATIVE_MAX_ROWS rows there.
 """
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ class PackedWeight:
     out_features: int
     wide: bool = False               # native is WideGemm's: float32 activations and output
     native_rows: int = GEMM_MAX_ROWS  # most rows the native kernel takes; oneDNN the rest
+    tiles: bool = False              # native runs on the AMX tiles (Gemm.fits_tiles)
 
     @property
     def serves_every_row_count(self) -> bool:
@@ -92,8 +95,9 @@ def pack_weight(w: torch.Tensor, bias: torch.Tensor | None = None,
     g = gemm()
     native = g.pack(w) if g is not None else None
     bias32 = bias.detach().float().contiguous() if bias is not None and native is not None else None
-    rows = AMX_NATIVE_MAX_ROWS if onednn is not None and amx_bf16() else GEMM_MAX_ROWS
-    return PackedWeight(onednn, native, bias32, w.shape[0], native_rows=rows)
+    tiles = g is not None and amx_bf16() and g.fits_tiles(w.shape[1])
+    rows = AMX_NATIVE_MAX_ROWS if onednn is not None and amx_bf16() and not tiles else GEMM_MAX_ROWS
+    return PackedWeight(onednn, native, bias32, w.shape[0], native_rows=rows, tiles=tiles)
 
 
 @lru_cache(maxsize=1)
@@ -129,7 +133,7 @@ def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if packed.native is not None and rows <= native_max_rows(packed):
         if packed.wide:
             return wide_gemm()(x, packed.native, packed.out_features, packed.bias32)
-        return gemm()(x, packed.native, packed.out_features, packed.bias32)
+        return gemm()(x, packed.native, packed.out_features, packed.bias32, tiles=packed.tiles)
     if packed.onednn is not None and (rows > 1 or packed.wide):
         return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
     torch._C._set_mkldnn_enabled(False)  # only the engine thread runs torch
@@ -148,7 +152,7 @@ def lm_head_logits(h: torch.Tensor, weight: torch.Tensor, packed: PackedWeight |
     if packed is not None and packed.native is not None and h.shape[0] <= native_max_rows(packed):
         if packed.wide:
             return wide_gemm()(h, packed.native, packed.out_features, None)
-        return gemm()(h, packed.native, packed.out_features, None, out_dtype=torch.float32)
+        return gemm()(h, packed.native, packed.out_features, None, out_dtype=torch.float32, tiles=packed.tiles)
     logits = fast_linear(h, weight, None, packed).float()
     if h.dtype == torch.float32:
         return logits
