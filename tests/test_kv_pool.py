@@ -1,4 +1,7 @@
 """The KV pool reads and writes page sets as raw buffers (what a transfer moves)."""
+import gc
+from multiprocessing import shared_memory
+
 import torch
 
 from kvrelay.core.kvlayout import KVLayout
@@ -24,3 +27,42 @@ def test_a_caller_buffer_backs_the_pool():
     pool.data[2].fill_(1.0)
     assert raw[2 * LAYOUT.page_bytes:] == bytes(pool.read_pages([2]))
     assert torch.frombuffer(raw, dtype=torch.bfloat16)[-1].item() == 1.0
+
+
+BIG = KVLayout("m", "bfloat16", page_size=16, num_layers=4, num_kv_heads=2, head_dim=64)   # 32 KiB pages
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_the_pool_asks_linux_for_huge_pages_and_starts_zeroed():
+    pool = KVPool(BIG, num_pages=128)   # 4 MiB
+    assert pool.huge_pages_advised
+    assert "hg" in vm_flags(pool.region().ptr)   # MADV_HUGEPAGE on the pool's own mapping
+    assert pool.read_pages([0, 127]) == bytes(2 * BIG.page_bytes)
+    pool.data[127].fill_(2.0)
+    assert torch.frombuffer(bytearray(pool.read_pages([127])), dtype=torch.bfloat16).eq(2.0).all()
+
+
+def test_a_shared_memory_pool_is_advised_too():
+    seg = shared_memory.SharedMemory(create=True, size=128 * BIG.page_bytes)
+    try:
+        pool = KVPool(BIG, num_pages=128, buffer=seg.buf)
+        assert pool.huge_pages_advised and "hg" in vm_flags(pool.region().ptr)
+        pool.data[3].fill_(1.0)
+        assert bytes(seg.buf[3 * BIG.page_bytes:4 * BIG.page_bytes]) == pool.read_pages([3])
+        del pool
+        gc.collect()
+    finally:
+        seg.close()
+        seg.unlink()
