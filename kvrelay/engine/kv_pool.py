@@ -34,10 +34,11 @@ def advise_huge_pages(buf: memoryview) -> bool:
     Why: a decode step's attention reads each sequence's keys and values a page-layer run at a
     time, runs a page apart (hundreds of KB) in the page-major layout, so with 4 KB pages
     nearly every run costs a TLB miss whose page-table entry is itself out of cache. On a
-    2-core Xeon with AMX, 32 sequences x 320 keys: 15.6 -> 9.8 ms a step's attention. Linux
+    2-core Xeon with AMX, 32 sequences x 320 keys: 15.6 -> 10.0 ms a step's attention. Linux
     honours the advice for private memory when /sys/kernel/mm/transparent_hugepage/enabled
-    is `madvise` or `always`, and for shared memory (a shm transfer backend's pool) only
-    when its `shmem_enabled` is `advise`, `within_size` or `always`."""
+    is `madvise` or `always`. A shared-memory pool (the shm transfer backend's segment in
+    /dev/shm) is advised too, but there it depends on the tmpfs mount; on that Xeon it kept
+    4 KB pages even with `huge=advise` (docs/performance.md)."""
     if not sys.platform.startswith("linux") or len(buf) < (2 << 20):
         return False
     libc = ctypes.CDLL(None, use_errno=True)
