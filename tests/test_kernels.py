@@ -201,3 +201,22 @@ def test_gemm_on_amx_tiles_matches_float32_matmul(M, N, K, bias):
     exact = g(x, packed, N, b, out_dtype=torch.float32, tiles=True)
     assert exact.dtype == torch.float32 and torch.allclose(exact, want, rtol=1e-5, atol=1e-4)
     assert torch.allclose(exact, g(x, packed, N, b, out_dtype=torch.float32), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("M,inter,K", [(1, 48, 64), (17, 1536, 576), (32, 16, 32), (40, 80, 96), (128, 32, 64)])
+def test_swiglu_on_amx_tiles_matches_float32(M, inter, K):
+    """Gate, up and silu(gate) * up in one pass over a weight packed with its gate and up
+    blocks interleaved; the float32 sums meet before the one rounding to bfloat16."""
+    g = kernels.gemm()
+    gen = torch.Generator().manual_seed(7)
+    w = (torch.randn(2 * inter, K, generator=gen) * 0.2).to(torch.bfloat16)
+    if g is None or not g.tiles:   # reported unavailable, never chosen
+        assert g is None or g.pack_swiglu(w) is None
+        return
+    assert g.pack_swiglu(w[:, :K - 16]) is None and g.pack_swiglu(w[:2 * inter - 16]) is None  # K, I off the tiles
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+    got = g.swiglu(x, g.pack_swiglu(w), inter)
+    sums = x.float() @ w.float().t()
+    want = F.silu(sums[:, :inter]) * sums[:, inter:]
+    assert got.dtype == torch.bfloat16 and got.shape == (M, inter)
+    assert ((got.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-4 * K).all()

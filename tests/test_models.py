@@ -464,3 +464,28 @@ def test_each_row_count_takes_the_path_chosen_for_this_cpu_and_computes_the_same
     if real_gemm is not None and packed.onednn is not None:
         assert calls and all(r <= limit for r in calls)
         assert set(calls) == {r for r in (1, 8, 9, 40, 129) if r <= limit}
+
+
+def test_the_mlp_runs_fused_on_amx_tiles_and_computes_what_the_two_passes_do(tiny_llama_dir):
+    """bfloat16 on a CPU with AMX tiles: every SwiGLU packs gate and up for `Gemm.swiglu`
+    (elsewhere none does), and a decode-sized batch through it matches gate_up_proj's
+    matmul followed by silu(gate) * up; a batch past GEMM_MAX_ROWS takes the two passes."""
+    from kvrelay.engine.kernels import gemm
+    from kvrelay.engine.models import linear
+    from kvrelay.engine.models.layers import SwiGLU
+
+    loaded = load_model(ModelOptions(model=str(tiny_llama_dir), dtype="bfloat16"))
+    mlps = [m for m in loaded.model.modules() if isinstance(m, SwiGLU)]
+    tiles = gemm() is not None and gemm().tiles
+    assert mlps and all((m._fused is not None) == tiles for m in mlps)
+    mlp = mlps[0]
+    gen = torch.Generator().manual_seed(8)
+    w = mlp.gate_up_proj.weight.detach().float()
+    for rows in (1, 32, linear.GEMM_MAX_ROWS + 3):
+        x = torch.randn(rows, w.shape[1], generator=gen).to(torch.bfloat16)
+        sums = x.float() @ w.t()
+        inner = (torch.nn.functional.silu(sums[:, :mlp.intermediate]) * sums[:, mlp.intermediate:])
+        want = inner @ mlp.down_proj.weight.detach().float().t()
+        got = mlp(x).float()
+        assert got.shape == want.shape
+        assert ((got - want).abs() <= 0.03 * want.abs() + 0.03 * want.abs().max()).all(), rows

@@ -111,8 +111,10 @@ class Gemm:
         self._fits.restype, self._fits.argtypes = ctypes.c_int, [_I64]
         # cpuid first: the permission request is a Linux syscall, made only on a CPU with tiles.
         self._amx = lib.gemm_bf16_amx if amx_bf16() and lib.gemm_amx_available() else None
+        self._swiglu = lib.gemm_bf16_amx_swiglu
         if self._amx is not None:
             self._amx.restype, self._amx.argtypes = None, self._mm.argtypes
+            self._swiglu.restype, self._swiglu.argtypes = None, [_P, _I64, _I64, _P, _I64, _P]
 
     @property
     def tiles(self) -> bool:
@@ -130,6 +132,27 @@ class Gemm:
         packed = torch.empty(-(-N // 16) * -(-K // 2) * 32, dtype=torch.bfloat16)
         self._pack(w.data_ptr(), N, K, packed.data_ptr())
         return packed
+
+    def pack_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """`gate_up` [2I, K] (gate rows first) packed for `swiglu`, its 16-row blocks
+        interleaved (gate block j, up block j); None where the tiles cannot run it."""
+        two_i, k = gate_up.shape
+        if not self.fits_tiles(k) or two_i % 32:
+            return None
+        inter = two_i // 2
+        order = torch.arange(two_i).view(2, inter // 16, 16).transpose(0, 1).reshape(-1)
+        return self.pack(gate_up[order])
+
+    def swiglu(self, x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor:
+        """silu(x . gate^T) * (x . up^T) -> [M, inter] bfloat16, on the tiles, from
+        `pack_swiglu`'s weight: the float32 sums are never rounded before the product."""
+        assert x.dtype == torch.bfloat16 and x.dim() == 2 and self.fits_tiles(x.shape[1])
+        x = x.contiguous()
+        M, K = x.shape
+        assert packed.numel() == 2 * inter * K, "x does not match the packed weight"
+        out = torch.empty(M, inter, dtype=torch.bfloat16)
+        self._swiglu(x.data_ptr(), M, K, packed.data_ptr(), 2 * inter, out.data_ptr())
+        return out
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias32: torch.Tensor | None,
                  out_dtype: torch.dtype = torch.bfloat16, tiles: bool = False) -> torch.Tensor:

@@ -13,10 +13,16 @@
  * Tiles: C 0-3 (rows 0-15 and 16-31 x column blocks j, j+1), A 4-5 (those rows of x),
  * B 6-7 (the two column blocks). A unit of work is one pair of column blocks, over every
  * row; threads split units with worksteal.h.
+ *
+ * SwiGLU (gemm_bf16_amx_swiglu): a gate-and-up weight packed with its blocks interleaved
+ * (gate block j, then up block j: Gemm.pack_swiglu) gives each unit a gate block and its
+ * up block, so the unit writes silu(gate) * up from the float32 sums: N / 2 columns out,
+ * and no separate pass over the 2N-column product.
  */
 #include <stdint.h>
 #include <string.h>
 
+#include "vec.h"
 #include "worksteal.h"
 
 #if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BF16__) && \
@@ -57,6 +63,16 @@ static AMX_TARGET void configure(int r0, int r1) {
     _tile_loadconfig(&c);
 }
 
+/* out[m][n0 + i] = silu(g[m][i]) * u[m][i] for rows x 16 float32 sums (row stride 16). */
+static inline void store_swiglu(const float *g, const float *u, int rows, int64_t n0, int64_t N, uint16_t *out) {
+    for (int m = 0; m < rows; ++m) {
+        const __m512 x = _mm512_loadu_ps(g + 16 * m);
+        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), vexp(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+        const __m512 r = _mm512_mul_ps(silu, _mm512_loadu_ps(u + 16 * m));
+        _mm256_storeu_si256((__m256i *)(out + m * N + n0), (__m256i)_mm512_cvtneps_pbh(r));
+    }
+}
+
 /* rows x 16 float32 sums in c (row stride 16) -> out rows, columns n0.. (cols of them). */
 static inline void store_block(const float *c, int rows, const float *bias, int64_t n0, int cols,
                                int64_t N, void *out, int f32) {
@@ -71,9 +87,10 @@ static inline void store_block(const float *c, int rows, const float *bias, int6
     }
 }
 
-/* Rows [m0, m0 + r0 + r1) of column blocks b, b + 1 (just b when !two); tiles configured. */
+/* Rows [m0, m0 + r0 + r1) of column blocks b, b + 1 (just b when !two); tiles configured.
+ * swiglu: b is a gate block and b + 1 its up block; out has N / 2 bfloat16 columns. */
 static AMX_TARGET void block(const uint16_t *x, int64_t m0, int r0, int r1, int64_t K, const uint16_t *packed,
-                             int64_t b, int two, const float *bias, int64_t N, void *out, int f32) {
+                             int64_t b, int two, const float *bias, int64_t N, void *out, int f32, int swiglu) {
     const int64_t kp = K / 2;
     const uint16_t *w0 = packed + b * kp * 32, *w1 = w0 + kp * 32;
     const uint16_t *x0 = x + m0 * K, *x1 = x0 + 16 * K;
@@ -102,6 +119,12 @@ static AMX_TARGET void block(const uint16_t *x, int64_t m0, int r0, int r1, int6
         _tile_stored(2, c[2], 64);
         if (two) _tile_stored(3, c[3], 64);
     }
+    if (swiglu) {
+        uint16_t *o = (uint16_t *)out + m0 * (N / 2);
+        store_swiglu(c[0], c[1], r0, b * 8, N / 2, o);
+        if (r1) store_swiglu(c[2], c[3], r1, b * 8, N / 2, o + 16 * (N / 2));
+        return;
+    }
     for (int j = 0; j < 1 + two; ++j) {
         const int64_t n0 = (b + j) * 16;
         const int cols = N - n0 < 16 ? (int)(N - n0) : 16;
@@ -112,10 +135,8 @@ static AMX_TARGET void block(const uint16_t *x, int64_t m0, int r0, int r1, int6
     }
 }
 
-/* out [M][N] (row-major), bfloat16 or, when f32, the float32 sums unrounded; bias float32
- * [N] or NULL. K % 32 == 0 and gemm_amx_available() returned 1. */
-AMX_TARGET void gemm_bf16_amx(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
-                              const float *bias, void *out, int f32) {
+static AMX_TARGET void run(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
+                           const float *bias, void *out, int f32, int swiglu) {
     const int64_t nblocks = (N + 15) / 16, units = (nblocks + 1) / 2;
     uint64_t words[WS_MAX_THREADS];
     const int64_t team = ws_team();
@@ -136,13 +157,28 @@ AMX_TARGET void gemm_bf16_amx(const uint16_t *x, int64_t M, int64_t K, const uin
                         cfg0 = r0;
                         cfg1 = r1;
                     }
-                    block(x, m0, r0, r1, K, packed, 2 * u, 2 * u + 1 < nblocks, bias, N, out, f32);
+                    block(x, m0, r0, r1, K, packed, 2 * u, 2 * u + 1 < nblocks, bias, N, out, f32, swiglu);
                 }
         if (cfg1 >= 0) _tile_release();
     }
+}
+
+/* out [M][N] (row-major), bfloat16 or, when f32, the float32 sums unrounded; bias float32
+ * [N] or NULL. K % 32 == 0 and gemm_amx_available() returned 1. */
+void gemm_bf16_amx(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
+                   const float *bias, void *out, int f32) {
+    run(x, M, K, packed, N, bias, out, f32, 0);
+}
+
+/* out [M][N / 2] bfloat16: silu(gate) * up of a weight [N][K] packed by
+ * Gemm.pack_swiglu. N % 32 == 0, K % 32 == 0, gemm_amx_available() returned 1. */
+void gemm_bf16_amx_swiglu(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
+                          uint16_t *out) {
+    run(x, M, K, packed, N, NULL, out, 0, 1);
 }
 #else
 int gemm_amx_available(void) { return 0; }
 int gemm_amx_fits(int64_t K) { (void)K; return 0; }
 void gemm_bf16_amx(void) {}
+void gemm_bf16_amx_swiglu(void) {}
 #endif

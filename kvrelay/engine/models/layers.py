@@ -3,13 +3,14 @@ Attention over the KV pool is a backend's (`engine.attention`)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrelay.engine.kernels import elementwise
-from kvrelay.engine.models.linear import Linear
+from kvrelay.engine.kernels import elementwise, gemm
+from kvrelay.engine.models.linear import GEMM_MAX_ROWS, Linear
 
 
 class RMSNorm(nn.Module):
@@ -92,15 +93,33 @@ class RotaryEmbedding(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul (gate rows first)."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul (gate rows first).
+    On AMX tiles (`fuse`, after the Linears' `prepare`), decode-sized batches run the gate,
+    up and silu-product in one kernel (`Gemm.swiglu`); gate_up_proj keeps oneDNN's copy for
+    larger ones."""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.intermediate = intermediate
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
+        self._fused: torch.Tensor | None = None   # Gemm.pack_swiglu's weight
+
+    def fuse(self) -> None:
+        """Pack gate_up for `Gemm.swiglu` where its rows go to the tiles (`PackedWeight.tiles`);
+        the native copy it replaces is dropped, oneDNN's is kept for larger batches."""
+        p, g = self.gate_up_proj.packed, gemm()
+        self._fused = None
+        if p is None or not p.tiles or p.onednn is None or g is None:
+            return
+        self._fused = g.pack_swiglu(self.gate_up_proj.weight.detach())
+        if self._fused is not None:
+            self.gate_up_proj.packed = replace(p, native=None, tiles=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = gemm() if self._fused is not None else None
+        if g is not None and g.tiles and x.shape[0] <= GEMM_MAX_ROWS:
+            return self.down_proj.forward(g.swiglu(x, self._fused, self.intermediate))
         gate_up = self.gate_up_proj.forward(x)   # no hooks: see LlamaForCausalLM.forward
         ew = elementwise()
         if ew is not None and ew.supports(gate_up.dtype):

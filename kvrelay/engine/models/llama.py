@@ -125,6 +125,9 @@ class LlamaForCausalLM(CausalLM):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepare(head_fmt if module is self.lm_head else fmt)
+        for module in self.modules():
+            if isinstance(module, SwiGLU):
+                module.fuse()
         if self.lm_head is None:
             embed = self.model.embed_tokens
             if head_fmt.store in QUANTIZED:
