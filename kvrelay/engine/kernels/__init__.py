@@ -163,8 +163,9 @@ class Gemm:
         assert packed.numel() == -(-n // 16) * -(-K // 2) * 32, "x does not match the packed weight"
         assert not tiles or self.fits_tiles(K), "this matmul cannot run on the tiles"
         out = torch.empty(M, n, dtype=out_dtype)
-        (self._amx if tiles else self._mm)(x.data_ptr(), M, K, packed.data_ptr(), n, None if bias32 is None else bias32.data_ptr(),
-                 out.data_ptr(), int(out_dtype == torch.float32))
+        bias = None if bias32 is None else bias32.data_ptr()
+        (self._amx if tiles else self._mm)(x.data_ptr(), M, K, packed.data_ptr(), n, bias, out.data_ptr(),
+                                           int(out_dtype == torch.float32))
         return out
 
 

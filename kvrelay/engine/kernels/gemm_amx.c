@@ -67,7 +67,8 @@ static AMX_TARGET void configure(int r0, int r1) {
 static inline void store_swiglu(const float *g, const float *u, int rows, int64_t n0, int64_t N, uint16_t *out) {
     for (int m = 0; m < rows; ++m) {
         const __m512 x = _mm512_loadu_ps(g + 16 * m);
-        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), vexp(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+        const __m512 e = vexp(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
         const __m512 r = _mm512_mul_ps(silu, _mm512_loadu_ps(u + 16 * m));
         _mm256_storeu_si256((__m256i *)(out + m * N + n0), (__m256i)_mm512_cvtneps_pbh(r));
     }
@@ -128,7 +129,8 @@ static AMX_TARGET void block(const uint16_t *x, int64_t m0, int r0, int r1, int6
     for (int j = 0; j < 1 + two; ++j) {
         const int64_t n0 = (b + j) * 16;
         const int cols = N - n0 < 16 ? (int)(N - n0) : 16;
-        store_block(c[j], r0, bias, n0, cols, N, f32 ? (void *)((float *)out + m0 * N) : (void *)((uint16_t *)out + m0 * N), f32);
+        store_block(c[j], r0, bias, n0, cols, N,
+                    f32 ? (void *)((float *)out + m0 * N) : (void *)((uint16_t *)out + m0 * N), f32);
         if (r1)
             store_block(c[2 + j], r1, bias, n0, cols, N,
                         f32 ? (void *)((float *)out + (m0 + 16) * N) : (void *)((uint16_t *)out + (m0 + 16) * N), f32);
