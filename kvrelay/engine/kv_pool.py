@@ -25,9 +25,6 @@ KV8_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 KV8_MAX = {"int8": 127.0, "fp8_e4m3": 448.0}   # the largest magnitude each format holds
 
 
-MADV_HUGEPAGE = 14   # Linux's madvise advice (asm-generic/mman-common.h)
-
-
 def advise_huge_pages(buf: memoryview) -> bool:
     """Ask Linux to back `buf` with transparent huge pages; whether it accepted the advice.
 
@@ -46,7 +43,7 @@ def advise_huge_pages(buf: memoryview) -> bool:
     start = host_address(buf)
     lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE           # whole pages inside buf only
     hi = (start + len(buf)) // mmap.PAGESIZE * mmap.PAGESIZE
-    return libc.madvise(lo, hi - lo, MADV_HUGEPAGE) == 0
+    return libc.madvise(lo, hi - lo, mmap.MADV_HUGEPAGE) == 0
 
 
 def kv_pool_for(layout: KVLayout, num_pages: int, buffer: memoryview | None = None,

@@ -107,8 +107,6 @@ class Gemm:
         self._pack, self._mm = lib.gemm_pack_bf16, lib.gemm_bf16
         self._pack.restype, self._pack.argtypes = None, [_P, _I64, _I64, _P]
         self._mm.restype, self._mm.argtypes = None, [_P, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int]
-        self._fits = lib.gemm_amx_fits
-        self._fits.restype, self._fits.argtypes = ctypes.c_int, [_I64]
         # cpuid first: the permission request is a Linux syscall, made only on a CPU with tiles.
         self._amx = lib.gemm_bf16_amx if amx_bf16() and lib.gemm_amx_available() else None
         self._swiglu = lib.gemm_bf16_amx_swiglu
@@ -122,8 +120,9 @@ class Gemm:
         return self._amx is not None
 
     def fits_tiles(self, k: int) -> bool:
-        """Whether a weight with k input features can be multiplied on the tiles."""
-        return self.tiles and bool(self._fits(k))
+        """Whether a weight with k input features can be multiplied on the tiles: gemm_amx.c
+        steps through k a whole tile (32) at a time. Pure Python: it guards every call."""
+        return self._amx is not None and k > 0 and k % 32 == 0
 
     def pack(self, w: torch.Tensor) -> torch.Tensor:
         assert w.dtype == torch.bfloat16 and w.dim() == 2

@@ -9,7 +9,7 @@
  * The packed weight is gemm_bf16.c's, unchanged: packed[n / 16][k / 2][n % 16][k % 2].
  * Its 16 rows of k pairs starting at an even k0 / 2 are one B tile (16 k pairs x 16
  * columns, 64-byte rows, contiguous), so both kernels read the same bytes.
- * Requires K % 32 == 0 (gemm_amx_fits); the caller routes other shapes elsewhere.
+ * Requires K % 32 == 0 (Gemm.fits_tiles); the caller routes other shapes elsewhere.
  * Tiles: C 0-3 (rows 0-15 and 16-31 x column blocks j, j+1), A 4-5 (those rows of x),
  * B 6-7 (the two column blocks). A unit of work is one pair of column blocks, over every
  * row; threads split units with worksteal.h.
@@ -41,8 +41,6 @@
 int gemm_amx_available(void) {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
-
-int gemm_amx_fits(int64_t K) { return K > 0 && K % 32 == 0; }
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -180,7 +178,6 @@ void gemm_bf16_amx_swiglu(const uint16_t *x, int64_t M, int64_t K, const uint16_
 }
 #else
 int gemm_amx_available(void) { return 0; }
-int gemm_amx_fits(int64_t K) { (void)K; return 0; }
 void gemm_bf16_amx(void) {}
 void gemm_bf16_amx_swiglu(void) {}
 #endif
