@@ -20,7 +20,7 @@ from kvrelay.bench.report import compare_rows
 from kvrelay.bench.settle import busy_cores, cpu_times, settle
 from kvrelay.bench.workload import TOKEN_IDS, Turn, arrivals, build, load_dataset
 from kvrelay.cli import main as cli_main
-from kvrelay.server.openai_api import build_openai_app
+from kvrelay.server.colocated import colocated_app
 
 
 # ---- workloads ---------------------------------------------------------------------------
@@ -242,7 +242,7 @@ def test_compare_ratios_are_medians_over_rounds_against_the_first_server():
 # ---- whole runs against a live server -------------------------------------------------------
 @pytest.fixture(scope="module")
 def url(tiny_engine):
-    with serving(build_openai_app(tiny_engine)) as u:
+    with serving(colocated_app(tiny_engine)) as u:   # the colocated server: API, /metrics
         yield u
     tiny_engine.check_idle()
 
@@ -276,10 +276,16 @@ def test_a_mixed_stream_against_a_live_server(url, tmp_path, tiny_engine):
     assert [(q["prompt_tokens"], q["output_tokens"]) for q in run["requests"]] == expected
     assert all(0 < q["ttft"] <= q["e2e"] for q in run["requests"])
     assert s["output_tokens"] == sum(o for _, o in expected)
+    # The engine's own counters over the run: every prompt computed once, each request's
+    # first token from its prompt's pass, the rest from decode steps or beside a prompt.
+    used = run["engines"]["colocated"]
+    assert used["prefill_tokens"] == sum(p for p, _ in expected) and used["prefill_passes"] >= 1
+    assert 0 < used["decode_steps"] * used["sequences_per_step"] <= sum(o - 1 for _, o in expected)
+    assert used["decode_step_s"] > 0 and used["prefill_tokens_per_s"] > 0
     assert result["machine"]["cpu"] and run["model"] == tiny_engine.model_name
     for png in ("latency_cdf.png", "goodput_vs_rate.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "runs" in done.stdout and "CPU:" in done.stdout
+    assert "runs" in done.stdout and "CPU:" in done.stdout and "engines (kvrelay's counters" in done.stdout
     tiny_engine.check_idle()
 
 
@@ -350,3 +356,21 @@ def test_an_unreachable_server_is_one_line(tmp_path):
     bad = _bench(tmp_path, "--rate", "-1")
     assert bad.returncode == 1 and bad.stderr.strip() == "kvrelay: error: --rate '-1': must be positive " \
                                                          "(inf: every request at once)"
+
+
+def test_engine_counters_sum_per_role_and_a_server_without_them_has_none():
+    from kvrelay.bench import engines
+
+    text = "".join(f'kvrelay_engine_{n}_total{{role="{role}",worker="{w}"}} {v}\n'
+                   for role, w, n, v in [("decode", "d1", "decode_steps", 10), ("decode", "d2", "decode_steps", 30),
+                                         ("decode", "d1", "decode_sequences", 320), ("decode", "d1", "decode_seconds", 2),
+                                         ("prefill", "p1", "prefill_tokens", 4096), ("prefill", "p1", "prefill_seconds", 2),
+                                         ("prefill", "p1", "prefill_passes", 2)])
+    text += 'vllm:num_requests_running{model_name="m"} 3\n'
+    before = {"decode": dict.fromkeys(engines.COUNTERS, 0.0) | {"decode_steps": 8}}
+    got = engines.figures(before, engines.parse(text))
+    assert got["decode"]["decode_steps"] == 32 and got["decode"]["sequences_per_step"] == 10
+    assert got["decode"]["decode_step_s"] == 2 / 32 and got["decode"]["prefill_tokens_per_s"] is None
+    assert got["prefill"]["prefill_tokens_per_s"] == 2048 and got["prefill"]["decode_step_s"] is None
+    assert engines.parse('vllm:num_requests_running{model_name="m"} 3\n') == {}
+    assert engines.table([{"server": "vllm", "round": 0, "engines": {}}]) is None

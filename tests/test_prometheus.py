@@ -277,6 +277,15 @@ def test_colocated_metrics(tiny_engine):
                        ("vllm:e2e_request_latency_seconds_count", 1), ("vllm:request_queue_time_seconds_count", 1),
                        ("vllm:inter_token_latency_seconds_count", usage["completion_tokens"] - 1)):
         assert value(after, name) - value(before, name) == want, name
+    # The first token comes from the prompt's one pass; each later one from a decode step of
+    # this one sequence.
+    for name, want in (("kvrelay_engine_prefill_passes_total", 1),
+                       ("kvrelay_engine_prefill_tokens_total", usage["prompt_tokens"]),
+                       ("kvrelay_engine_decode_steps_total", usage["completion_tokens"] - 1),
+                       ("kvrelay_engine_decode_sequences_total", usage["completion_tokens"] - 1)):
+        assert value(after, name) - value(before, name) == want, name
+    for name in ("kvrelay_engine_prefill_seconds_total", "kvrelay_engine_decode_seconds_total"):
+        assert value(after, name) > value(before, name), name
     assert 'model_name="tiny-llama"' in after
     assert {"kvrelay_kv_pages_capacity", "vllm:kv_cache_usage_perc", "process_cpu_seconds"} <= families(after)
     assert value(after, "kvrelay_kv_pages_free") == value(after, "kvrelay_kv_pages_capacity") > 0
@@ -548,3 +557,14 @@ def test_every_dashboard_and_alert_expression_returns_data(deployment):
         time.sleep(0.5)
     assert [(r["name"], r["health"], r.get("lastError", "")) for r in loaded] == \
         [(r["alert"], "ok", "") for r in rules]
+
+
+def test_a_pass_that_computes_prompt_tokens_counts_as_prefill_with_its_decodes():
+    from kvrelay.obs.metrics import PassStats
+
+    p = PassStats()
+    p.add(3, 100, 0.5)    # a prompt's chunk with three decodes beside it
+    p.add(4, 0, 0.125)    # decodes only
+    p.add(0, 0, 0.25)     # nothing computed: not a pass
+    assert (p.prefill_passes, p.prefill_tokens, p.prefill_seconds) == (1, 100, 0.5)
+    assert (p.decode_steps, p.decode_sequences, p.decode_seconds) == (1, 4, 0.125)

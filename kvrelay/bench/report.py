@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from kvrelay.bench import engines
 from kvrelay.bench.metrics import median_of
 
 ISA_FLAGS = ("avx512_bf16", "amx_bf16", "avx512_vnni", "avx512f", "avx_vnni", "avx2")
@@ -104,6 +105,9 @@ def compare_table(rows: list[dict]) -> Table:
 
 def show(console: Console, runs: list[dict], servers: list[str]) -> list[dict]:
     console.print(runs_table(runs))
+    used = engines.table(runs)
+    if used is not None:
+        console.print(used)
     for r in runs:
         s = r["summary"]
         if s["failed"]:

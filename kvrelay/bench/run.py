@@ -20,7 +20,7 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvrelay.bench import report
+from kvrelay.bench import engines, report
 from kvrelay.bench.client import Outcome, Target, send, served_model
 from kvrelay.bench.config import BenchConfig
 from kvrelay.bench.metrics import summarise
@@ -117,14 +117,16 @@ async def bench(cfg: BenchConfig, servers: list[tuple[str, str]], console: Conso
                 items = workloads[rnd, rate]
                 for (name, url), target in (order if rnd % 2 == 0 else order[::-1]):
                     waited = await settle(cfg.settle)
+                    before = await engines.counters(client, url)
                     with _progress(cfg, console) as bar:
                         task = bar.add_task(f"{name} rate {report.rate_label(rate)} round {rnd + 1}",
                                             total=sum(len(i.turns) for i in items))
                         outcomes, duration = await run_items(client, target, items, cfg,
                                                              lambda: bar.advance(task))
                     summary = summarise(outcomes, duration, cfg.slo_ttft, cfg.slo_tpot)
+                    used = engines.figures(before, await engines.counters(client, url))
                     runs.append({"server": name, "url": url, "model": target.model, "rate": rate, "round": rnd,
-                                 "settled_s": round(waited, 3), "summary": summary,
+                                 "settled_s": round(waited, 3), "summary": summary, "engines": used,
                                  "requests": [_record(o) for o in outcomes]})
     return {"config": asdict(cfg), "machine": report.machine(), "servers": [n for n, _ in servers],
             "started": started, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": runs}

@@ -28,7 +28,7 @@ from kvrelay.engine.runner import ModelRunner, SeqChunk
 from kvrelay.engine.sampling import SampleResult, Sampler, SamplingState, validate_params
 from kvrelay.engine.scheduler import PrefillItem, Scheduler, pages_for, pages_for_choices
 from kvrelay.engine.types import MAX_N, FinishReason, GenerateRequest, RequestRejected, StepOutput
-from kvrelay.obs.metrics import EngineStats, ServingMetrics, Snapshot
+from kvrelay.obs.metrics import EngineStats, PassStats, ServingMetrics, Snapshot
 
 log = logging.getLogger("kvrelay.engine")
 Sink = Callable[[StepOutput], None]
@@ -100,6 +100,10 @@ class EngineCore:
         self.last_prefill: tuple[int, float] | None = None  # (prompt tokens, seconds) of the latest prefill step
         self.prompt_tokens_done = 0    # prompts prefilled here, once per request (metrics)
         self.tokens_sampled = 0        # tokens sampled here (metrics)
+        # Forward passes (metrics): a pass that computes prompt tokens is a prefill pass,
+        # whatever decodes ride in it; one of decodes only is a decode step. Seconds span
+        # the pass, its sampling and the hand-off of its outputs.
+        self.passes = PassStats()
         self._last_token_at: dict[str, float] = {}   # rid -> when its latest token went out (serves_clients)
         # --core-share: this engine's part of the host's cores, set before each step (built
         # on the engine thread, the one whose OpenMP thread count torch.set_num_threads sets)
@@ -285,6 +289,7 @@ class EngineCore:
                 self.abort(req.rid, FinishReason.ERROR, f"internal_error: {exc}")
             return
         seconds, tokens = self.clock.now() - started, sum(i.length for i in batch.prefill)
+        self.passes.add(len(batch.decode), tokens, seconds)
         if tokens:
             self.last_prefill = (tokens, seconds)
         self.scheduler.costs.observe(len(batch.decode), tokens, seconds)
@@ -504,7 +509,7 @@ class EngineCore:
     def engine_stats(self, running: int, waiting: int) -> EngineStats:
         return EngineStats(running, waiting, self.allocator.num_free, self.allocator.num_total,
                            self.scheduler.num_preemptions, self.prompt_tokens_done, self.tokens_sampled,
-                           torch.get_num_threads(), self.yielded_s)
+                           torch.get_num_threads(), self.yielded_s, copy.copy(self.passes))
 
     def debug_rows(self) -> list[dict]:
         now = self.clock.now()

@@ -84,6 +84,30 @@ VLLM_FINISHED = {"stop": "stop", "length": "length"}
 
 
 @dataclass
+class PassStats:
+    """An engine's forward passes since start. A pass that computes prompt tokens is a
+    prefill pass (with whatever decodes ride in it), one of decodes only a decode step;
+    seconds span the pass, its sampling and the hand-off of its outputs. Their ratios are
+    what a step costs: decode_seconds / decode_steps at decode_sequences / decode_steps."""
+    decode_steps: int = 0
+    decode_sequences: int = 0   # the sequences each decode step advanced, summed
+    decode_seconds: float = 0.0
+    prefill_passes: int = 0
+    prefill_tokens: int = 0     # prompt tokens those passes computed (recomputed ones too)
+    prefill_seconds: float = 0.0
+
+    def add(self, decodes: int, prompt_tokens: int, seconds: float) -> None:
+        if prompt_tokens:
+            self.prefill_passes += 1
+            self.prefill_tokens += prompt_tokens
+            self.prefill_seconds += seconds
+        elif decodes:
+            self.decode_steps += 1
+            self.decode_sequences += decodes
+            self.decode_seconds += seconds
+
+
+@dataclass
 class EngineStats:
     """What a process with a model reports of its engine (the router has none)."""
     running: int = 0            # requests in the batch being computed (vLLM's "running")
@@ -95,6 +119,7 @@ class EngineStats:
     generation_tokens: int = 0  # tokens this engine sampled (on P: each request's first)
     threads: int = 0            # threads its forward passes run on now (with --core-share: its part)
     yielded_seconds: float = 0.0  # since start: its decode steps waited for another engine's prompt (--core-share)
+    passes: PassStats = field(default_factory=PassStats)
 
 
 @dataclass
@@ -167,6 +192,19 @@ class _SnapshotCollector:
         yield _counter("kvrelay_engine_yielded_seconds", "Seconds this engine's decode steps waited for another "
                        "engine's prompt on the shared cores (--core-share: prefill first)", labels, own,
                        e.yielded_seconds)
+        p = e.passes
+        for name, doc, value in (
+                ("decode_steps", "Forward passes of decodes only", p.decode_steps),
+                ("decode_sequences", "Sequences those decode steps advanced, summed over the steps",
+                 p.decode_sequences),
+                ("decode_seconds", "Seconds those decode steps took (pass, sampling, outputs handed off)",
+                 p.decode_seconds),
+                ("prefill_passes", "Forward passes that computed prompt tokens (with any decodes beside them)",
+                 p.prefill_passes),
+                ("prefill_tokens", "Prompt tokens those passes computed (recomputed ones too)", p.prefill_tokens),
+                ("prefill_seconds", "Seconds those prefill passes took (pass, sampling, outputs handed off)",
+                 p.prefill_seconds)):
+            yield _counter(f"kvrelay_engine_{name}", doc, labels, own, value)
         yield _counter("kvrelay_preemptions", "Requests preempted (pages freed, recomputed later)", labels, own,
                        e.preemptions)
         vl = ["model_name"]
