@@ -48,16 +48,20 @@ async def counters(client: httpx.AsyncClient, url: str) -> dict[str, dict[str, f
 
 
 def figures(before: dict, after: dict) -> dict[str, dict[str, float | None]]:
-    """role -> what its engines did between the two reads."""
+    """role -> what its engines did between the two reads. A role whose counters went back
+    (a worker restarted in between) is left out: its figures would mean nothing."""
     out = {}
     for role, now in after.items():
         d = {k: now[k] - before.get(role, {}).get(k, 0.0) for k in COUNTERS}
-        steps, passes = d["decode_steps"], d["prefill_passes"]
-        out[role] = {"decode_steps": steps, "prefill_passes": passes, "prefill_tokens": d["prefill_tokens"],
-                     "yielded_s": d["yielded_seconds"],
+        if any(v < 0 for v in d.values()):
+            continue
+        steps, seconds = d["decode_steps"], d["prefill_seconds"]
+        out[role] = {"decode_steps": steps, "decode_sequences": d["decode_sequences"],
+                     "prefill_passes": d["prefill_passes"],
+                     "prefill_tokens": d["prefill_tokens"], "yielded_s": d["yielded_seconds"],
                      "sequences_per_step": d["decode_sequences"] / steps if steps else None,
                      "decode_step_s": d["decode_seconds"] / steps if steps else None,
-                     "prefill_tokens_per_s": d["prefill_tokens"] / d["prefill_seconds"] if d["prefill_seconds"] else None}
+                     "prefill_tokens_per_s": d["prefill_tokens"] / seconds if seconds else None}
     return out
 
 
@@ -76,7 +80,8 @@ def table(runs: list[dict]) -> Table | None:
 
     for r, role, f in rows:
         step = f["decode_step_s"]
-        t.add_row(r["server"], str(r["round"] + 1), role, f"{f['decode_steps']:.0f}", num(f["sequences_per_step"], ".1f"),
-                  num(None if step is None else step * 1e3, ".1f"), f"{f['prefill_passes']:.0f}",
+        t.add_row(r["server"], str(r["round"] + 1), role, f"{f['decode_steps']:.0f}",
+                  num(f["sequences_per_step"], ".1f"), num(None if step is None else step * 1e3, ".1f"),
+                  f"{f['prefill_passes']:.0f}",
                   f"{f['prefill_tokens']:.0f}", num(f["prefill_tokens_per_s"], ".0f"), f"{f['yielded_s']:.2f}")
     return t
