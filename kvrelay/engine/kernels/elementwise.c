@@ -61,9 +61,7 @@ static inline int64_t silu_mul_vec_f32(const float *g, const float *u, float *o,
     int64_t i = 0;
 #ifdef KVRELAY_VEC
     for (; i + V <= inter; i += V) {
-        const vf x = VLOADF(g + i);
-        const vf silu = VDIV(x, VADD(VSET1(1.f), vexp(VMUL(x, VSET1(-1.f)))));
-        VSTOREF(o + i, VMUL(silu, VLOADF(u + i)));
+        VSTOREF(o + i, VMUL(vsilu(VLOADF(g + i)), VLOADF(u + i)));
     }
 #else
     (void)g, (void)u, (void)o, (void)inter;

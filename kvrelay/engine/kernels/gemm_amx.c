@@ -64,10 +64,7 @@ static AMX_TARGET void configure(int r0, int r1) {
 /* out[m][n0 + i] = silu(g[m][i]) * u[m][i] for rows x 16 float32 sums (row stride 16). */
 static inline void store_swiglu(const float *g, const float *u, int rows, int64_t n0, int64_t N, uint16_t *out) {
     for (int m = 0; m < rows; ++m) {
-        const __m512 x = _mm512_loadu_ps(g + 16 * m);
-        const __m512 e = vexp(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-        const __m512 r = _mm512_mul_ps(silu, _mm512_loadu_ps(u + 16 * m));
+        const __m512 r = _mm512_mul_ps(vsilu(_mm512_loadu_ps(g + 16 * m)), _mm512_loadu_ps(u + 16 * m));
         _mm256_storeu_si256((__m256i *)(out + m * N + n0), (__m256i)_mm512_cvtneps_pbh(r));
     }
 }

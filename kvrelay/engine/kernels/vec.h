@@ -85,5 +85,8 @@ static inline vf vexp(vf x) {
     return VMUL(y, VPOW2I(n));
 }
 
+/* silu(x) = x / (1 + e^-x). */
+static inline vf vsilu(vf x) { return VDIV(x, VADD(VSET1(1.f), vexp(VMUL(x, VSET1(-1.f))))); }
+
 #endif
 #endif

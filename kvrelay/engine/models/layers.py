@@ -117,9 +117,8 @@ class SwiGLU(nn.Module):
             self.gate_up_proj.packed = replace(p, native=None, tiles=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g = gemm() if self._fused is not None else None
-        if g is not None and g.tiles and x.shape[0] <= GEMM_MAX_ROWS:
-            return self.down_proj.forward(g.swiglu(x, self._fused, self.intermediate))
+        if self._fused is not None and x.shape[0] <= GEMM_MAX_ROWS:   # fuse() saw the tiles
+            return self.down_proj.forward(gemm().swiglu(x, self._fused, self.intermediate))
         gate_up = self.gate_up_proj.forward(x)   # no hooks: see LlamaForCausalLM.forward
         ew = elementwise()
         if ew is not None and ew.supports(gate_up.dtype):
