@@ -78,10 +78,14 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, output) -> No
         time.sleep(0.3)
 
 
+SERVER_LOGS: dict[str, Path] = {}   # base URL -> the output file of the server running there
+
+
 @contextlib.contextmanager
 def running_server(*args: str, ready_timeout: float = 180.0):
     """Start `python -m kvrelay serve ...` on a free port; yield its base URL; stop it. Its
-    output goes to a file: a pipe nobody reads would fill up under logging and block it."""
+    output goes to a file (SERVER_LOGS[url] while it runs): a pipe nobody reads would fill
+    up under logging and block it."""
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     with tempfile.TemporaryDirectory(prefix="kvrelay-serve-") as tmp:
@@ -92,10 +96,12 @@ def running_server(*args: str, ready_timeout: float = 180.0):
             proc = subprocess.Popen([sys.executable, "-m", "kvrelay", "serve", "--port", str(port), *base, *args],
                                     stdout=out, stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"
+        SERVER_LOGS[url] = log
         try:
             wait_healthy(proc, url, ready_timeout, lambda: log.read_text(errors="replace"))
             yield url
         finally:
+            SERVER_LOGS.pop(url, None)
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout=30)

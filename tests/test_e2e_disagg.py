@@ -4,11 +4,13 @@ what `kvrelay serve --mode colocated` produces, on every transfer backend (10 pr
 shm, 5 each on tcp and nixl), with the KV written layer by layer while prompts compute."""
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 from openai import OpenAI
 
-from serving_helpers import assert_no_leak, running_server, transfer_bytes
+from serving_helpers import SERVER_LOGS, assert_no_leak, metric_samples, running_server, transfer_bytes, worker_urls
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = [
@@ -31,6 +33,34 @@ def greedy_outputs(url: str, prompts: list[str] = PROMPTS) -> list[list[int]]:
             lp = r.json()["choices"][0]["logprobs"]
             out.append(lp["tokens"])
     return out
+
+
+# What a cluster did besides the plain path: any of these explains a token that differs.
+TELLING = ("kvrelay_requests_finished", "kvrelay_preemptions", "kvrelay_rejected_input",
+           "kvrelay_router_prefilled_on_decode")
+TELLING_LOG = re.compile(r" (WARNING|ERROR) |attempts=[2-9]")
+
+
+def divergence(url: str, prompts: list[str], got: list[list[str]], want: dict[str, list[str]]) -> str:
+    """'' when each prompt got the colocated tokens; else where each one diverged, with the
+    cluster's counters and log lines that tell of retries, preemptions, refused input or
+    failures (read while it runs: a flake explains itself)."""
+    lines = []
+    for prompt, have in zip(prompts, got):
+        ref = want[prompt]
+        if have != ref:
+            i = next((i for i, (a, b) in enumerate(zip(have, ref)) if a != b), min(len(have), len(ref)))
+            lines.append(f"{prompt!r}: token {i} is {have[i:i + 1]} where colocated has {ref[i:i + 1]}")
+    if not lines:
+        return ""
+    for u in [url, *worker_urls(url)]:
+        for (name, labels), value in sorted(metric_samples(u).items()):
+            if name.startswith(TELLING) and not name.endswith("_created") and value:
+                lines.append(f"{u} {name}{dict(labels)} = {value:g}")
+    log = SERVER_LOGS.get(url)
+    text = log.read_text(errors="replace") if log is not None else ""
+    lines += [line for line in text.splitlines() if TELLING_LOG.search(line)][-40:]
+    return "\n".join(lines)
 
 
 @pytest.fixture(scope="module")
@@ -67,18 +97,19 @@ def test_local_cluster_answers_the_openai_client(local_cluster):
 # shm, the default, on every prompt; the other backends carry the same pages on half of them.
 @pytest.mark.parametrize("backend,prompts", [("shm", PROMPTS), ("tcp", PROMPTS[::2]), ("nixl", PROMPTS[1::2])])
 def test_same_tokens_as_colocated(backend, prompts, colocated_tokens, request):
-    if backend == "shm":
-        url = request.getfixturevalue("local_cluster")
+    want = dict(zip(PROMPTS, colocated_tokens))
+
+    def check(url: str) -> tuple[list, float, float, str]:
         got = greedy_outputs(url, prompts)
         ahead, total = transfer_bytes(url)
         assert_no_leak(url)
+        return got, ahead, total, divergence(url, prompts, got, want)
+
+    if backend == "shm":
+        got, ahead, total, diverged = check(request.getfixturevalue("local_cluster"))
     else:
         with running_server("--transfer-backend", backend, *SERVER_ARGS) as url:
-            got = greedy_outputs(url, prompts)
-            ahead, total = transfer_bytes(url)
-            assert_no_leak(url)
+            got, ahead, total, diverged = check(url)
     assert 0 < ahead <= total, (backend, ahead, total)   # layer-wise transfer, the default
     assert len(got) == len(prompts)
-    want = dict(zip(PROMPTS, colocated_tokens))
-    for prompt, have in zip(prompts, got):
-        assert have == want[prompt], prompt
+    assert not diverged, diverged

@@ -2,7 +2,14 @@
 prompt, while other requests keep arriving, is never declared dead by its decode peer or
 by the router. Its health is answered from the scheduler loop between steps, and each
 prefill step is sized to about half a heartbeat interval, so a busy worker keeps its
-leases however long the prompt."""
+leases however long the prompt.
+
+A prefill worker heartbeats between the layers of a pass, so a host slower than when the
+worker timed its steps eats into the lease one layer at a time: the model's layer count is
+the slowdown it tolerates. The wide model below has 12 layers. With 6 (and 6,000 prompt
+tokens), two busy-looping processes beside the cluster on 2 cores made a layer outlast
+the 1.5 s lease; with 12 layers, three of them did not (time to first token 6.5 s alone,
+13 s beside them)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +21,7 @@ import pytest
 
 from cluster_helpers import LEASE, ROUTER_LEASE, Cluster, finished
 
-PROMPT_TOKENS = 6000
+PROMPT_TOKENS = 4000
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +30,7 @@ def slow_cluster(tmp_path_factory):
 
     # Wide enough that one long prompt takes several seconds of prefill on one core.
     model = make_tiny_model_dir(tmp_path_factory.mktemp("wide-llama"), arch="llama", seed=1, hidden_size=512,
-                                intermediate_size=2048, num_hidden_layers=6, num_attention_heads=8,
+                                intermediate_size=2048, num_hidden_layers=12, num_attention_heads=8,
                                 num_key_value_heads=2, head_dim=64, max_position_embeddings=8192)
     c = Cluster(["--model", f"random:{model}"], ["--dtype", "float32", "--max-kv-tokens", "32768"], num_decode=1)
     try:
