@@ -1,7 +1,8 @@
 """End to end on the real default model: `kvrelay serve` (the local cluster, as `make run`
 starts it) answers the official openai client, and its greedy output is token for token
 what `kvrelay serve --mode colocated` produces, on every transfer backend (10 prompts on
-shm, 5 each on tcp and nixl), with the KV written layer by layer while prompts compute."""
+shm, 5 each on tcp and nixl, those two with --verify-kv), with the KV written layer by
+layer while prompts compute."""
 from __future__ import annotations
 
 import re
@@ -103,12 +104,15 @@ def test_same_tokens_as_colocated(backend, prompts, colocated_tokens, request):
         got = greedy_outputs(url, prompts)
         ahead, total = transfer_bytes(url)
         assert_no_leak(url)
+        failed = [(u, labels) for u in [url, *worker_urls(url)] for (name, labels), v in metric_samples(u).items()
+                  if name == "kvrelay_requests_finished_total" and v and dict(labels)["outcome"] != "success"]
+        assert not failed, failed   # no try failed and was retried out of sight
         return got, ahead, total, divergence(url, prompts, got, want)
 
     if backend == "shm":
         got, ahead, total, diverged = check(request.getfixturevalue("local_cluster"))
-    else:
-        with running_server("--transfer-backend", backend, *SERVER_ARGS) as url:
+    else:   # the pages D decodes from are checked against P's (a mismatch fails the try)
+        with running_server("--transfer-backend", backend, "--verify-kv", *SERVER_ARGS) as url:
             got, ahead, total, diverged = check(url)
     assert 0 < ahead <= total, (backend, ahead, total)   # layer-wise transfer, the default
     assert len(got) == len(prompts)

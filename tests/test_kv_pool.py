@@ -1,11 +1,13 @@
 """The KV pool reads and writes page sets as raw buffers (what a transfer moves)."""
 import gc
+import zlib
 from multiprocessing import shared_memory
 
+import pytest
 import torch
 
 from kvrelay.core.kvlayout import KVLayout
-from kvrelay.engine.kv_pool import KVPool
+from kvrelay.engine.kv_pool import KVPool, kv_pool_for
 
 LAYOUT = KVLayout("m", "bfloat16", page_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
 
@@ -19,6 +21,25 @@ def test_page_sets_round_trip_as_bytes_and_share_one_buffer():
     assert pool.read_pages([1]) == data[LAYOUT.page_bytes:]
     assert bytes(pool.buffer()[4 * LAYOUT.page_bytes:5 * LAYOUT.page_bytes]) == data[:LAYOUT.page_bytes]
     assert pool.read_pages([0]) == bytes(LAYOUT.page_bytes)  # untouched pages stay zero
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_the_checksum_covers_every_byte_of_the_pages_in_order(kv_dtype):
+    """What --verify-kv compares: two pools holding the same bytes under other page ids
+    agree; a flipped byte anywhere in a page (an 8-bit pool's scales included), or the
+    pages in another order, disagree. The value is zlib's CRC-32 of the pages' bytes."""
+    layout = KVLayout("m", "bfloat16", page_size=4, num_layers=2, num_kv_heads=2, head_dim=8, kv_dtype=kv_dtype)
+    p, d = kv_pool_for(layout, 6), kv_pool_for(layout, 9)
+    data = bytes((i * 7 + 3) % 251 for i in range(3 * layout.page_bytes))
+    p.write_pages([5, 0, 2], data)
+    d.write_pages([1, 8, 4], data)
+    assert p.checksum([5, 0, 2]) == d.checksum([1, 8, 4]) == zlib.crc32(data)
+    assert d.checksum([8, 1, 4]) != d.checksum([1, 8, 4])
+    for at in (0, layout.page_bytes - 1, 2 * layout.page_bytes + 5):
+        flipped = bytearray(data)
+        flipped[at] ^= 0x10
+        d.write_pages([1, 8, 4], bytes(flipped))
+        assert d.checksum([1, 8, 4]) != p.checksum([5, 0, 2]), at
 
 
 def test_a_caller_buffer_backs_the_pool():

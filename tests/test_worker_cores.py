@@ -28,8 +28,8 @@ LIFE = LifecycleConfig(heartbeat_interval=0.2, heartbeat_misses=8, bootstrap_tim
 
 class Pair:
     def __init__(self, loaded, backend: str, d_faults: str | None = None, cluster_key=None,
-                 life: LifecycleConfig = LIFE, layerwise: bool = True) -> None:
-        tc = TransferConfig(transfer_backend=backend, layerwise_transfer=layerwise)
+                 life: LifecycleConfig = LIFE, layerwise: bool = True, verify: bool = False) -> None:
+        tc = TransferConfig(transfer_backend=backend, layerwise_transfer=layerwise, verify_kv=verify)
         self.P = AsyncEngine(lambda: PrefillCore(loaded, KV, SCHED, life, tc, cluster_key=cluster_key))
         dtc = TransferConfig(transfer_backend=backend, fault_spec=d_faults)
         self.D = AsyncEngine(lambda: DecodeCore(loaded, KV, SCHED, life, dtc, cluster_key=cluster_key))
@@ -113,6 +113,31 @@ def test_same_tokens_as_colocated(pair, tiny_engine):
     assert [len(x.top) for x in lp_d] == [3] * 6
     assert lp_d[0].logprob == pytest.approx(lp_c[0].logprob, abs=1e-4)
     pair.assert_idle()
+
+
+@pytest.mark.parametrize("backend", REAL)
+def test_verify_kv_agrees_on_every_backend_and_a_mismatch_fails_before_decoding(tiny_loaded, tiny_engine, backend):
+    """--verify-kv: the CRC-32 P sends of its pages matches D's copy on every backend, with
+    layer-wise writes, for prompts that end on and past a page boundary (the tokens are
+    colocated's); a CRC that disagrees fails the request with transfer_error before it
+    decodes a token, and leaves nothing behind on either side."""
+    pair = Pair(tiny_loaded, backend, verify=True)
+    try:
+        reqs = [greedy(f"v{n}", range(5, 5 + n), n=6) for n in (16, 17, 32, 45)]
+        got, want = both_ways(pair, tiny_engine, reqs)
+        for r, (pouts, douts), couts in zip(reqs, got, want):
+            assert douts[-1].finish_reason is FinishReason.LENGTH, (r.rid, douts[-1].error)
+            assert tokens(douts) == tokens(couts), r.rid
+        kv = pair.P.core.engine.kv
+        honest = kv.checksum
+        kv.checksum = lambda pages: honest(pages) ^ 1
+        _, douts = asyncio.run(pair.run(greedy("flipped", range(5, 45), n=6)))
+        assert tokens(douts) == []
+        assert douts[-1].finish_reason is FinishReason.ERROR
+        assert "transfer_error" in douts[-1].error and "--verify-kv" in douts[-1].error, douts[-1].error
+        pair.assert_idle()
+    finally:
+        pair.close()
 
 
 def test_one_token_and_stop_on_first_token(pair, tiny_engine):

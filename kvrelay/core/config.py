@@ -176,6 +176,11 @@ class TransferConfig:
     layerwise_transfer: bool = _f(True, "a prefill worker writes each layer's KV to the decode worker while the "
                                   "prompt's later layers compute (every backend but the fakes' two-sided one); "
                                   "off: the whole KV after the prompt")
+    verify_kv: bool = _f(False, "a prefill worker sends a CRC-32 of each request's KV pages with its first token, "
+                         "and the decode worker checks its copy before decoding: a mismatch fails the request "
+                         "(transfer_error: the router retries it on another pair, if there is one) and is "
+                         "logged. Costs a pass over the KV on each side; for suspected corruption, not on by "
+                         "default")
     fault_spec: str | None = _f(None, "fault injection spec, e.g. 'drop_ack=1.0;delay_ctrl=0.2' "
                                 "(also read from KVRELAY_FAULTS); needs --enable-fault-injection")
     enable_fault_injection: bool = _f(False, "allow --fault-spec, KVRELAY_FAULTS and POST /debug/faults (tests "

@@ -14,6 +14,8 @@ Invariants:
 - Reserved pages are owned by `("room", room)` until the request enters the engine; after
   that the engine owns them (under its rid) and frees them when it finishes the request,
   so `_release_room` then finds nothing to free.
+- A room whose aux carries a CRC (`--verify-kv` on P) enters the engine only if its
+  pages, as landed, have that CRC; otherwise it fails (transfer_error) with them unread.
 - The sink sees the engine's outputs while decoding; before that, only the final error or
   abort outputs (one per choice) of a room that ended early.
 - A request of n > 1 choices reserves and receives the prompt's pages once; `Aux` brings
@@ -23,6 +25,8 @@ Invariants:
 """
 from __future__ import annotations
 
+import logging
+
 from kvrelay.core import ids
 from kvrelay.disagg import wire
 from kvrelay.disagg.decode_side import DecodeSide
@@ -31,6 +35,8 @@ from kvrelay.disagg.worker_core import Leg, WorkerCore, reason_of
 from kvrelay.engine.sampling import SampleResult
 from kvrelay.engine.scheduler import pages_for
 from kvrelay.engine.types import FinishReason, GenerateRequest, RequestRejected, StepOutput, TokenLogprob
+
+log = logging.getLogger("kvrelay.worker")
 
 
 class DecodeCore(WorkerCore):
@@ -93,6 +99,13 @@ class DecodeCore(WorkerCore):
                 lp = TokenLogprob(t.token, t.logprob, tuple(t.top_logprobs)[:params.logprobs])
             firsts.append(SampleResult(t.token, lp))
         pages = self.side.lc.rooms[room].data.pages
+        if aux.kv_crc is not None and (crc := self.engine.kv.checksum(pages)) != aux.kv_crc:
+            log.warning("KV checksum mismatch", extra={"rid": rid, "room": room, "pages": len(pages),
+                                                       "prefill_crc": aux.kv_crc, "decode_crc": crc})
+            self.side.abort(room, Reason.TRANSFER_ERROR.value,
+                            f"the KV of {len(pages)} pages landed with CRC-32 {crc:08x}; the prefill side "
+                            f"sent {aux.kv_crc:08x} (--verify-kv)")
+            return
         self.engine.allocator.transfer(("room", room), rid)
         leg.in_engine = True
         if self.metrics is not None:   # since the leg arrived: bootstrap + waiting for the KV

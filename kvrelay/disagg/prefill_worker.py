@@ -137,8 +137,9 @@ class PrefillCore(WorkerCore):
         tokens = [wire.FirstToken(f.token_id, f.logprob.logprob if f.logprob else None,
                                   tuple(f.logprob.top) if f.logprob else ()) for f in leg.firsts]
         head = tokens[0]
+        crc = self.engine.kv.checksum(pages) if self.transfer_cfg.verify_kv else None
         aux = wire.Aux(room, 0, first_token=head.token, logprob=head.logprob, top_logprobs=head.top_logprobs,
-                       prompt_tokens=prompt_len, more_choices=tuple(tokens[1:]))
+                       prompt_tokens=prompt_len, more_choices=tuple(tokens[1:]), kv_crc=crc)
         leg.in_engine = False
         if self.metrics is not None:
             self.metrics.observe_leg_first_token(self.clock.now() - created)

@@ -337,7 +337,9 @@ class FirstToken:
 class Aux(Message):
     """P -> D, sent LAST: its arrival means all of the room's KV has landed. The first
     token (logprob, top alternatives) is choice 0's; a request of n > 1 choices, prefilled
-    and sent once, carries choices 1..n-1's first tokens in `more_choices`, in order."""
+    and sent once, carries choices 1..n-1's first tokens in `more_choices`, in order.
+    `kv_crc` (P's --verify-kv): the CRC-32 of the room's pages as P sent them, in order;
+    D decodes only if its own pages agree."""
     room: Room
     epoch: Epoch
     first_token: TokenId
@@ -345,6 +347,7 @@ class Aux(Message):
     top_logprobs: TopLogprobs = ()
     prompt_tokens: Count = 0
     more_choices: Annotated[tuple[FirstToken, ...], Field(max_length=MAX_CHOICES - 1)] = ()
+    kv_crc: Annotated[int, Field(strict=True, ge=0, le=0xFFFFFFFF)] | None = None   # --verify-kv: CRC-32 of the pages
 
     def first_tokens(self) -> list[FirstToken]:
         """Every choice's first token, choice 0 first."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
+import zlib
 from typing import Callable
 
 import torch
@@ -173,6 +174,17 @@ class KVPool:
     def read_pages(self, page_ids: list[int]) -> bytes:
         idx = torch.tensor(page_ids, dtype=torch.long, device=self.device)
         return self._bytes.view(self.num_pages, self.page_bytes).index_select(0, idx).cpu().numpy().tobytes()
+
+    def checksum(self, page_ids: list[int]) -> int:
+        """CRC-32 of these pages' bytes, every byte of each (scales, and slots past a
+        sequence's end, included), in the order given: two pools holding the same bytes in
+        their own page ids agree (`--verify-kv`)."""
+        if self.device.type != "cpu":
+            return zlib.crc32(self.read_pages(page_ids))
+        pages, crc = self._bytes.view(self.num_pages, self.page_bytes).numpy(), 0
+        for p in page_ids:
+            crc = zlib.crc32(pages[p], crc)
+        return crc
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each (source, destination) page, every layer's K and V (copy-on-write of a
