@@ -107,8 +107,9 @@ def shared_engine(tiny_loaded, tmp_path):
     """An engine at slot 0 of a share file, and another slot (this process, running) at 1."""
     before, path = torch.get_num_threads(), str(tmp_path / "cores")
     other = CoreShare(path, 1)
+    # leave_busy_cores off: these tests count threads out of every core, whatever else runs
     core = EngineCore(tiny_loaded, KVCacheConfig(page_size=16, max_kv_tokens=512),
-                      SchedulerConfig(core_share=f"{path}:0"))
+                      SchedulerConfig(core_share=f"{path}:0", leave_busy_cores=False))
     try:
         yield core, other
     finally:

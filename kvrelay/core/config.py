@@ -118,6 +118,11 @@ class SchedulerConfig:
                                 "engines that have work split the cores evenly and each runs on its part. `kvrelay "
                                 "serve` sets it for its workers (--share-cores). Default: a fixed thread count "
                                 "(OMP_NUM_THREADS)")
+    leave_busy_cores: bool = _f(True, "the cores that other processes keep busy (from 0.6 of one, measured every "
+                                "0.5 s from /proc) are left to them: with --core-share the engines posting in the "
+                                "file split the rest, otherwise the engine runs on its thread count less them (one "
+                                "thread at least): a thread team beside a busy core waits at every barrier. Off: "
+                                "every core, whatever else runs")
 
     def __post_init__(self) -> None:
         if self.core_share is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 from typing import Callable
 
@@ -22,6 +23,7 @@ from kvrelay.engine.core_share import IDLE_REFRESH, YIELD_POLL, CoreShare
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.grammar import GrammarCompiler
 from kvrelay.engine.hooks import EngineHooks, PassProgress
+from kvrelay.engine.host_load import OtherLoad
 from kvrelay.engine.kv_pool import kv_pool_for
 from kvrelay.engine.request import Req, ReqStatus, choice_params
 from kvrelay.engine.runner import ModelRunner, SeqChunk
@@ -107,7 +109,13 @@ class EngineCore:
         self._last_token_at: dict[str, float] = {}   # rid -> when its latest token went out (serves_clients)
         # --core-share: this engine's part of the host's cores, set before each step (built
         # on the engine thread, the one whose OpenMP thread count torch.set_num_threads sets)
-        self.core_share = CoreShare.from_spec(sched_cfg.core_share) if sched_cfg.core_share else None
+        self.core_share = (CoreShare.from_spec(sched_cfg.core_share, sched_cfg.leave_busy_cores)
+                           if sched_cfg.core_share else None)
+        # Without a share, a fixed count (the threads it started with), less the cores other
+        # processes keep busy (leave_busy_cores): a team beside a busy core waits at every barrier.
+        self._threads = torch.get_num_threads()
+        self._other_load = (OtherLoad(lambda: (os.getpid(),)).cores_taken
+                            if sched_cfg.leave_busy_cores and not sched_cfg.core_share and self._threads > 1 else None)
         self._posted_work = True   # the last post may say busy: the first step posts
         self._idle_read = 0.0      # when an idle step last re-read the share (_refresh_idle_threads)
         self.yielded_steps = 0   # steps of decodes skipped for another engine's prompt (core_share)
@@ -276,6 +284,8 @@ class EngineCore:
             self._take_cores(not batch.empty)
         if batch.empty:
             return
+        if self._other_load is not None:
+            self._leave_busy_cores()
         started = self.clock.now()
         try:
             self.kv.copy_pages(batch.copies)   # copy-on-write of shared pages, before anything writes
@@ -359,6 +369,13 @@ class EngineCore:
             return
         self._posted_work = busy
         n = self.core_share.threads(busy, self._queued_prompt() if busy else 0)
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+
+    def _leave_busy_cores(self) -> None:
+        """Without a core share: run this step on the threads the engine started with, less
+        the cores other processes keep busy (`host_load`), one at least."""
+        n = max(1, self._threads - self._other_load())
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
 

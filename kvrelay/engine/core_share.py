@@ -35,7 +35,8 @@ reads the file as at any wake-up.
 
 Invariants:
 - Every engine runs on at least one thread, and the engines that posted work run on at most
-  `cores` threads together, counted from what each read before its own step; an engine in
+  `cores` threads together, less the cores other processes keep busy (`host_load`; never
+  below one thread each), counted from what each read before its own step; an engine in
   the middle of a step keeps its count until the step ends (at most one step late).
 - A slot counts only while its process lives and runs: a dead, stopped (SIGSTOP, a
   debugger) or silent-for-STALE-seconds engine holds no cores.
@@ -58,6 +59,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvrelay.core.config import CORE_SHARE_SLOTS, core_share_spec
+from kvrelay.engine.host_load import OtherLoad
 
 SLOTS = CORE_SHARE_SLOTS
 FIELDS = 5
@@ -78,14 +80,17 @@ class Post:
     queued: float = 0.0   # prompt tokens not yet computed: the remainder's tie-break (not busy: a pending prompt)
     at: float = 0.0       # when it was posted: one post per step, so it names the step
     yielding: float = 0.0   # since when its decodes yield to others' prompts (0: they do not)
+    pid: int = 0
 
 
-def share(me: int, posts: dict[int, Post], cores: int) -> int:
-    """Threads for slot `me` (which has posted) out of `cores`, given every live slot's post."""
+def share(me: int, posts: dict[int, Post], cores: int, taken: int = 0) -> int:
+    """Threads for slot `me` (which has posted) out of `cores`, given every live slot's post;
+    the engines with work split the cores other processes leave (`taken`: those they keep
+    busy, `host_load`)."""
     busy = sorted((s for s, p in posts.items() if p.busy), key=lambda s: (-posts[s].queued, s))
     if me not in busy:
         return max(1, cores - len(busy))
-    base, extra = divmod(cores, len(busy))
+    base, extra = divmod(max(1, cores - taken), len(busy))
     return max(1, base + (1 if busy.index(me) < extra else 0))
 
 
@@ -138,12 +143,14 @@ class CoreShare:
 
     def __init__(self, path: str, slot: int, cores: int | None = None, *,
                  clock: Callable[[], float] = time.monotonic, pid: int | None = None,
-                 alive: Callable[[int], bool] = _runs, sleep: Callable[[float], None] | None = None) -> None:
+                 alive: Callable[[int], bool] = _runs, sleep: Callable[[float], None] | None = None,
+                 taken: Callable[[], int] | None = None) -> None:
         if not 0 <= slot < SLOTS:
             raise ValueError(f"core share slot {slot} is outside 0..{SLOTS - 1}")
         self.path, self.slot = path, slot
         self.cores = cores or host_cores()
         self._clock, self._pid, self._alive = clock, pid or os.getpid(), alive
+        self._taken = taken   # cores other processes keep busy (None: not counted)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size < SLOTS * SLOT_BYTES:
@@ -172,9 +179,14 @@ class CoreShare:
         return sock
 
     @classmethod
-    def from_spec(cls, spec: str) -> "CoreShare":
+    def from_spec(cls, spec: str, leave_busy_cores: bool = True) -> "CoreShare":
+        """The slot `spec` names; with `leave_busy_cores`, the engines split only the cores
+        that processes other than those posting in the file leave (`host_load.OtherLoad`)."""
         path, slot = core_share_spec(spec)
-        return cls(path, slot)
+        cs = cls(path, slot)
+        if leave_busy_cores:
+            cs._taken = OtherLoad(lambda: {p.pid for p in cs.posts().values()} | {cs._pid}).cores_taken
+        return cs
 
     def post(self, busy: bool, queued: float = 0.0, *, at: float | None = None, yielding: float = 0.0) -> float:
         """Post this slot's next step; returns its posted-at (`at` keeps a pending prompt's
@@ -235,7 +247,7 @@ class CoreShare:
                 continue   # empty, or not written by an engine: counts for nothing
             if s != self.slot and (now - at > STALE or not self._alive(int(pid))):
                 continue
-            out[s] = Post(busy > 0.5, queued, at, yielding)
+            out[s] = Post(busy > 0.5, queued, at, yielding, int(pid))
         return out
 
     def threads(self, busy: bool, queued: float = 0.0) -> int:
@@ -259,7 +271,7 @@ class CoreShare:
 
     def current_threads(self) -> int:
         """The threads of this engine, as it last posted, from the posts now (posts nothing)."""
-        return share(self.slot, self.posts(), self.cores)
+        return share(self.slot, self.posts(), self.cores, self._taken() if self._taken is not None else 0)
 
     def should_yield(self, decodes_only: bool) -> bool:
         """Before a step: True if this engine, whose work is `decodes_only`, should skip
