@@ -116,10 +116,19 @@ def test_the_engines_with_work_split_only_the_cores_left_to_them():
     assert share(1, one, 4, taken=3) == 3   # an idle engine runs nothing: its count is the others' leftover
 
 
+def idle_steps(core, seconds: float = 8 * SAMPLE_PERIOD) -> None:
+    """Step `core` with nothing to run for `seconds`, as a loop does between requests: its
+    idle steps keep the estimate current (one core busy reads 0.68 after four samples)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        core.step()
+        time.sleep(SAMPLE_PERIOD / 5)
+
+
 def test_an_engine_beside_a_busy_process_steps_on_the_cores_it_leaves(tiny_loaded, tmp_path):
-    """`--core-share` with leave_busy_cores (the default): once the share has sampled a
-    process spinning on one of this host's cores, a step with work runs on at most the
-    other cores (one thread at least); with it off, on every core."""
+    """`--core-share` with leave_busy_cores (the default): an engine that idled beside a
+    process spinning on one of this host's cores runs its first step with work on at most
+    the other cores (one thread at least); with it off, on every core."""
     import torch
 
     from kvrelay.core.config import KVCacheConfig, SchedulerConfig
@@ -134,9 +143,7 @@ def test_an_engine_beside_a_busy_process_steps_on_the_cores_it_leaves(tiny_loade
             core = EngineCore(tiny_loaded, KVCacheConfig(page_size=16, max_kv_tokens=512),
                               SchedulerConfig(core_share=f"{tmp_path / str(leave)}:0", leave_busy_cores=leave))
             try:
-                deadline = time.monotonic() + 15   # samples a period apart, as an idle engine's re-reads take them
-                while leave and core.core_share._taken() < 1 and time.monotonic() < deadline:
-                    time.sleep(SAMPLE_PERIOD * 1.1)
+                idle_steps(core)
                 outs = []
                 core.add(GenerateRequest("r", tuple(range(3, 30)), SamplingParams(max_tokens=2, temperature=0.0)),
                          outs.append)
@@ -155,8 +162,9 @@ def test_an_engine_beside_a_busy_process_steps_on_the_cores_it_leaves(tiny_loade
 
 
 def test_an_engine_of_its_own_leaves_busy_cores_too(tiny_loaded):
-    """Without a core share (colocated), an engine started on two threads steps on one
-    beside a process spinning on a core it may use; with leave_busy_cores off, on two."""
+    """Without a core share (colocated), an engine started on two threads that idled beside
+    a process spinning on a core it may use runs its first step with work on one; with
+    leave_busy_cores off, on two."""
     import torch
 
     from kvrelay.core.config import KVCacheConfig, SchedulerConfig
@@ -170,10 +178,7 @@ def test_an_engine_of_its_own_leaves_busy_cores_too(tiny_loaded):
             torch.set_num_threads(2)
             core = EngineCore(tiny_loaded, KVCacheConfig(page_size=16, max_kv_tokens=512),
                               SchedulerConfig(leave_busy_cores=leave))
-            if leave:
-                deadline = time.monotonic() + 15   # samples a period apart, as its steps take them
-                while core._other_load() < 1 and time.monotonic() < deadline:
-                    time.sleep(SAMPLE_PERIOD * 1.1)
+            idle_steps(core)
             outs = []
             core.add(GenerateRequest("r", tuple(range(3, 30)), SamplingParams(max_tokens=2, temperature=0.0)),
                      outs.append)

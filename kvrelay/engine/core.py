@@ -282,10 +282,10 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if self.core_share is not None:
             self._take_cores(not batch.empty)
+        elif self._other_load is not None:   # idle steps too: the first step with work finds the estimate current
+            self._leave_busy_cores()
         if batch.empty:
             return
-        if self._other_load is not None:
-            self._leave_busy_cores()
         started = self.clock.now()
         try:
             self.kv.copy_pages(batch.copies)   # copy-on-write of shared pages, before anything writes
@@ -365,6 +365,7 @@ class EngineCore:
         posts that once: every further idle step (a decode worker polls every few
         milliseconds while a prompt computes elsewhere) leaves the file alone."""
         if not busy and not self._posted_work:
+            self.core_share.sample_load()   # current when work comes (at most every SAMPLE_PERIOD)
             self._refresh_idle_threads()
             return
         self._posted_work = busy

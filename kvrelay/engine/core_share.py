@@ -269,6 +269,12 @@ class CoreShare:
         self.post(True, queued, at=at)
         return self.current_threads()
 
+    def sample_load(self) -> None:
+        """Keep the estimate of other processes' load current while this engine idles (the
+        estimate samples at most every `host_load.SAMPLE_PERIOD`)."""
+        if self._taken is not None:
+            self._taken()
+
     def current_threads(self) -> int:
         """The threads of this engine, as it last posted, from the posts now (posts nothing)."""
         return share(self.slot, self.posts(), self.cores, self._taken() if self._taken is not None else 0)
