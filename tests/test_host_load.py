@@ -149,6 +149,8 @@ def test_an_engine_beside_a_busy_process_steps_on_the_cores_it_leaves(tiny_loade
                          outs.append)
                 core.step()
                 assert (torch.get_num_threads() <= want) if leave else (torch.get_num_threads() == want), leave
+                other = core.engine_stats(0, 0).other_load   # kvrelay_engine_other_load_cores
+                assert other >= BUSY_FROM if leave else other == 0.0, (leave, other)
                 while core.has_work:
                     core.step()
                 assert outs[-1].finished
@@ -184,6 +186,8 @@ def test_an_engine_of_its_own_leaves_busy_cores_too(tiny_loaded):
                      outs.append)
             core.step()
             assert torch.get_num_threads() == want, leave
+            other = core.engine_stats(0, 0).other_load
+            assert other >= BUSY_FROM if leave else other == 0.0, (leave, other)
             while core.has_work:
                 core.step()
             assert outs[-1].finished

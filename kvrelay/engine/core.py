@@ -114,7 +114,7 @@ class EngineCore:
         # Without a share, a fixed count (the threads it started with), less the cores other
         # processes keep busy (leave_busy_cores): a team beside a busy core waits at every barrier.
         self._threads = torch.get_num_threads()
-        self._other_load = (OtherLoad(lambda: (os.getpid(),)).cores_taken
+        self._other_load = (OtherLoad(lambda: (os.getpid(),))
                             if sched_cfg.leave_busy_cores and not sched_cfg.core_share and self._threads > 1 else None)
         self._posted_work = True   # the last post may say busy: the first step posts
         self._idle_read = 0.0      # when an idle step last re-read the share (_refresh_idle_threads)
@@ -376,7 +376,7 @@ class EngineCore:
     def _leave_busy_cores(self) -> None:
         """Without a core share: run this step on the threads the engine started with, less
         the cores other processes keep busy (`host_load`), one at least."""
-        n = max(1, self._threads - self._other_load())
+        n = max(1, self._threads - self._other_load.cores_taken())
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
 
@@ -525,9 +525,11 @@ class EngineCore:
                         engine=self.engine_stats(len(running), len(waiting)))
 
     def engine_stats(self, running: int, waiting: int) -> EngineStats:
+        load = self.core_share.other_load if self.core_share is not None else self._other_load
         return EngineStats(running, waiting, self.allocator.num_free, self.allocator.num_total,
                            self.scheduler.num_preemptions, self.prompt_tokens_done, self.tokens_sampled,
-                           torch.get_num_threads(), self.yielded_s, copy.copy(self.passes))
+                           torch.get_num_threads(), self.yielded_s, copy.copy(self.passes),
+                           load.load if load is not None else 0.0)
 
     def debug_rows(self) -> list[dict]:
         now = self.clock.now()

@@ -143,14 +143,13 @@ class CoreShare:
 
     def __init__(self, path: str, slot: int, cores: int | None = None, *,
                  clock: Callable[[], float] = time.monotonic, pid: int | None = None,
-                 alive: Callable[[int], bool] = _runs, sleep: Callable[[float], None] | None = None,
-                 taken: Callable[[], int] | None = None) -> None:
+                 alive: Callable[[int], bool] = _runs, sleep: Callable[[float], None] | None = None) -> None:
         if not 0 <= slot < SLOTS:
             raise ValueError(f"core share slot {slot} is outside 0..{SLOTS - 1}")
         self.path, self.slot = path, slot
         self.cores = cores or host_cores()
         self._clock, self._pid, self._alive = clock, pid or os.getpid(), alive
-        self._taken = taken   # cores other processes keep busy (None: not counted)
+        self.other_load: OtherLoad | None = None   # cores other processes keep busy (None: not counted)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size < SLOTS * SLOT_BYTES:
@@ -185,7 +184,7 @@ class CoreShare:
         path, slot = core_share_spec(spec)
         cs = cls(path, slot)
         if leave_busy_cores:
-            cs._taken = OtherLoad(lambda: {p.pid for p in cs.posts().values()} | {cs._pid}).cores_taken
+            cs.other_load = OtherLoad(lambda: {p.pid for p in cs.posts().values()} | {cs._pid})
         return cs
 
     def post(self, busy: bool, queued: float = 0.0, *, at: float | None = None, yielding: float = 0.0) -> float:
@@ -272,12 +271,13 @@ class CoreShare:
     def sample_load(self) -> None:
         """Keep the estimate of other processes' load current while this engine idles (the
         estimate samples at most every `host_load.SAMPLE_PERIOD`)."""
-        if self._taken is not None:
-            self._taken()
+        if self.other_load is not None:
+            self.other_load.cores_taken()
 
     def current_threads(self) -> int:
         """The threads of this engine, as it last posted, from the posts now (posts nothing)."""
-        return share(self.slot, self.posts(), self.cores, self._taken() if self._taken is not None else 0)
+        taken = self.other_load.cores_taken() if self.other_load is not None else 0
+        return share(self.slot, self.posts(), self.cores, taken)
 
     def should_yield(self, decodes_only: bool) -> bool:
         """Before a step: True if this engine, whose work is `decodes_only`, should skip

@@ -120,6 +120,7 @@ class EngineStats:
     threads: int = 0            # threads its forward passes run on now (with --core-share: its part)
     yielded_seconds: float = 0.0  # since start: its decode steps waited for another engine's prompt (--core-share)
     passes: PassStats = field(default_factory=PassStats)
+    other_load: float = 0.0     # cores of this host other processes keep busy, as last estimated (--leave-busy-cores)
 
 
 @dataclass
@@ -189,6 +190,9 @@ class _SnapshotCollector:
         yield _counter("kvrelay_generation_tokens", "Tokens this engine sampled", labels, own, e.generation_tokens)
         yield _gauge("kvrelay_engine_threads", "Threads this engine's forward passes run on (with --core-share, "
                      "its part of the host's cores, set before each step)", labels, [(own, e.threads)])
+        yield _gauge("kvrelay_engine_other_load_cores", "Cores of this host that other processes keep busy, as "
+                     "this engine last estimated them (--leave-busy-cores: from 0.6 of one, a core is left to them)",
+                     labels, [(own, e.other_load)])
         yield _counter("kvrelay_engine_yielded_seconds", "Seconds this engine's decode steps waited for another "
                        "engine's prompt on the shared cores (--core-share: prefill first)", labels, own,
                        e.yielded_seconds)
