@@ -165,8 +165,8 @@ def test_an_engine_beside_a_busy_process_steps_on_the_cores_it_leaves(tiny_loade
 
 def test_an_engine_of_its_own_leaves_busy_cores_too(tiny_loaded):
     """Without a core share (colocated), an engine started on two threads that idled beside
-    a process spinning on a core it may use runs its first step with work on one; with
-    leave_busy_cores off, on two."""
+    a process spinning on a core it may use runs its first step with work on at most the
+    cores left free (one on 2 cores); with leave_busy_cores off, on two."""
     import torch
 
     from kvrelay.core.config import KVCacheConfig, SchedulerConfig
@@ -176,7 +176,9 @@ def test_an_engine_of_its_own_leaves_busy_cores_too(tiny_loaded):
     before = torch.get_num_threads()
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        for leave, want in ((True, 1), (False, 2)):
+        from kvrelay.engine.core_share import host_cores
+
+        for leave, want in ((True, min(2, max(1, host_cores() - 1))), (False, 2)):
             torch.set_num_threads(2)
             core = EngineCore(tiny_loaded, KVCacheConfig(page_size=16, max_kv_tokens=512),
                               SchedulerConfig(leave_busy_cores=leave))
@@ -185,7 +187,7 @@ def test_an_engine_of_its_own_leaves_busy_cores_too(tiny_loaded):
             core.add(GenerateRequest("r", tuple(range(3, 30)), SamplingParams(max_tokens=2, temperature=0.0)),
                      outs.append)
             core.step()
-            assert torch.get_num_threads() == want, leave
+            assert (torch.get_num_threads() <= want) if leave else (torch.get_num_threads() == want), leave
             other = core.engine_stats(0, 0).other_load
             assert other >= BUSY_FROM if leave else other == 0.0, (leave, other)
             while core.has_work:

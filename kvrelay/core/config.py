@@ -120,8 +120,8 @@ class SchedulerConfig:
                                 "(OMP_NUM_THREADS)")
     leave_busy_cores: bool = _f(True, "the cores that other processes keep busy (from 0.6 of one, measured every "
                                 "0.5 s from /proc) are left to them: with --core-share the engines posting in the "
-                                "file split the rest, otherwise the engine runs on its thread count less them (one "
-                                "thread at least): a thread team beside a busy core waits at every barrier. Off: "
+                                "file split the rest, otherwise the engine runs on at most the cores they leave free "
+                                "(one thread at least): a thread team beside a busy core waits at every barrier. Off: "
                                 "every core, whatever else runs")
 
     def __post_init__(self) -> None:

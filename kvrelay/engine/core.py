@@ -111,8 +111,8 @@ class EngineCore:
         # on the engine thread, the one whose OpenMP thread count torch.set_num_threads sets)
         self.core_share = (CoreShare.from_spec(sched_cfg.core_share, sched_cfg.leave_busy_cores)
                            if sched_cfg.core_share else None)
-        # Without a share, a fixed count (the threads it started with), less the cores other
-        # processes keep busy (leave_busy_cores): a team beside a busy core waits at every barrier.
+        # Without a share, a fixed count (the threads it started with), at most the cores other
+        # processes leave free (leave_busy_cores): a team beside a busy core waits at every barrier.
         self._threads = torch.get_num_threads()
         self._other_load = (OtherLoad(lambda: (os.getpid(),))
                             if sched_cfg.leave_busy_cores and not sched_cfg.core_share and self._threads > 1 else None)
@@ -374,9 +374,9 @@ class EngineCore:
             torch.set_num_threads(n)
 
     def _leave_busy_cores(self) -> None:
-        """Without a core share: run this step on the threads the engine started with, less
-        the cores other processes keep busy (`host_load`), one at least."""
-        n = max(1, self._threads - self._other_load.cores_taken())
+        """Without a core share: run this step on the threads the engine started with, at
+        most the cores other processes leave free (`host_load`), one at least."""
+        n = min(self._threads, max(1, len(self._other_load.cpus) - self._other_load.cores_taken()))
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
 
