@@ -125,30 +125,29 @@ def idle_steps(core, seconds: float = 8 * SAMPLE_PERIOD) -> None:
         time.sleep(SAMPLE_PERIOD / 5)
 
 
-def test_an_engine_beside_a_busy_process_steps_on_the_cores_it_leaves(tiny_loaded, tmp_path):
-    """`--core-share` with leave_busy_cores (the default): an engine that idled beside a
-    process spinning on one of this host's cores runs its first step with work on at most
-    the other cores (one thread at least); with it off, on every core."""
+def first_step_beside_a_busy_process(make_core, cases) -> None:
+    """For each (leave_busy_cores, threads wanted, threads before): an engine from
+    `make_core(leave)` idles beside a process spinning on a core, then takes a request. Its
+    first step with work runs on at most `wanted` threads (exactly, with the flag off) and
+    reports the estimate (at least BUSY_FROM; 0 off); then it finishes and holds nothing."""
     import torch
 
-    from kvrelay.core.config import KVCacheConfig, SchedulerConfig
-    from kvrelay.engine.core import EngineCore
-    from kvrelay.engine.core_share import host_cores
     from kvrelay.engine.types import GenerateRequest, SamplingParams
 
-    cores, before = host_cores(), torch.get_num_threads()
+    before = torch.get_num_threads()
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        for leave, want in ((True, max(1, cores - 1)), (False, cores)):
-            core = EngineCore(tiny_loaded, KVCacheConfig(page_size=16, max_kv_tokens=512),
-                              SchedulerConfig(core_share=f"{tmp_path / str(leave)}:0", leave_busy_cores=leave))
+        for leave, want, threads in cases:
+            torch.set_num_threads(threads)
+            core = make_core(leave)
             try:
                 idle_steps(core)
                 outs = []
                 core.add(GenerateRequest("r", tuple(range(3, 30)), SamplingParams(max_tokens=2, temperature=0.0)),
                          outs.append)
                 core.step()
-                assert (torch.get_num_threads() <= want) if leave else (torch.get_num_threads() == want), leave
+                n = torch.get_num_threads()
+                assert (n <= want) if leave else (n == want), (leave, n)
                 other = core.engine_stats(0, 0).other_load   # kvrelay_engine_other_load_cores
                 assert other >= BUSY_FROM if leave else other == 0.0, (leave, other)
                 while core.has_work:
@@ -156,45 +155,38 @@ def test_an_engine_beside_a_busy_process_steps_on_the_cores_it_leaves(tiny_loade
                 assert outs[-1].finished
                 core.check_idle()
             finally:
-                core.core_share.close()
+                if core.core_share is not None:
+                    core.core_share.close()
     finally:
         hog.kill()
         hog.wait()
         torch.set_num_threads(before)
+
+
+def test_an_engine_beside_a_busy_process_steps_on_the_cores_it_leaves(tiny_loaded, tmp_path):
+    """`--core-share` with leave_busy_cores (the default): an engine that idled beside a
+    process spinning on one of this host's cores runs its first step with work on at most
+    the other cores (one thread at least); with it off, on every core."""
+    from kvrelay.core.config import KVCacheConfig, SchedulerConfig
+    from kvrelay.engine.core import EngineCore
+    from kvrelay.engine.core_share import host_cores
+
+    cores = host_cores()
+    first_step_beside_a_busy_process(
+        lambda leave: EngineCore(tiny_loaded, KVCacheConfig(page_size=16, max_kv_tokens=512),
+                                 SchedulerConfig(core_share=f"{tmp_path / str(leave)}:0", leave_busy_cores=leave)),
+        [(True, max(1, cores - 1), cores), (False, cores, cores)])
 
 
 def test_an_engine_of_its_own_leaves_busy_cores_too(tiny_loaded):
     """Without a core share (colocated), an engine started on two threads that idled beside
     a process spinning on a core it may use runs its first step with work on at most the
     cores left free (one on 2 cores); with leave_busy_cores off, on two."""
-    import torch
-
     from kvrelay.core.config import KVCacheConfig, SchedulerConfig
     from kvrelay.engine.core import EngineCore
-    from kvrelay.engine.types import GenerateRequest, SamplingParams
+    from kvrelay.engine.core_share import host_cores
 
-    before = torch.get_num_threads()
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        from kvrelay.engine.core_share import host_cores
-
-        for leave, want in ((True, min(2, max(1, host_cores() - 1))), (False, 2)):
-            torch.set_num_threads(2)
-            core = EngineCore(tiny_loaded, KVCacheConfig(page_size=16, max_kv_tokens=512),
-                              SchedulerConfig(leave_busy_cores=leave))
-            idle_steps(core)
-            outs = []
-            core.add(GenerateRequest("r", tuple(range(3, 30)), SamplingParams(max_tokens=2, temperature=0.0)),
-                     outs.append)
-            core.step()
-            assert (torch.get_num_threads() <= want) if leave else (torch.get_num_threads() == want), leave
-            other = core.engine_stats(0, 0).other_load
-            assert other >= BUSY_FROM if leave else other == 0.0, (leave, other)
-            while core.has_work:
-                core.step()
-            assert outs[-1].finished
-            core.check_idle()
-    finally:
-        hog.kill()
-        hog.wait()
-        torch.set_num_threads(before)
+    first_step_beside_a_busy_process(
+        lambda leave: EngineCore(tiny_loaded, KVCacheConfig(page_size=16, max_kv_tokens=512),
+                                 SchedulerConfig(leave_busy_cores=leave)),
+        [(True, min(2, max(1, host_cores() - 1)), 2), (False, 2, 2)])
