@@ -36,8 +36,10 @@ def cores_busy_seconds(cpus: Iterable[int], path: str = "/proc/stat") -> float |
     try:
         with open(path, "rb") as f:
             for line in f:
+                if not line.startswith(b"cpu"):
+                    break   # the per-core lines come first; a large host's "intr" line is long
                 fields = line.split()
-                if fields and fields[0].decode() in want:
+                if fields[0].decode() in want:
                     user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[1:8])
                     total += user + nice + system + irq + softirq
     except (OSError, ValueError):
