@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvrelay.core.config import CORE_SHARE_SLOTS, core_share_spec
-from kvrelay.engine.host_load import OtherLoad
+from kvrelay.engine.host_load import OtherLoad, stat_fields
 
 SLOTS = CORE_SHARE_SLOTS
 FIELDS = 5
@@ -123,12 +123,8 @@ def host_cores() -> int:
 
 def _runs(pid: int) -> bool:
     """The process exists and is not stopped (or traced)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in (b"T", b"t", b"Z", b"X")
+    fields = stat_fields(pid)
+    return bool(fields) and fields[0] not in (b"T", b"t", b"Z", b"X")
 
 
 def wake_address(path: str, slot: int) -> bytes:

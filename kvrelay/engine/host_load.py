@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 SAMPLE_PERIOD = 0.5   # seconds between samples
 BUSY_FROM = 0.6       # cores: others' load from which one core is theirs (1.6: two, ...)
 SMOOTH = 0.25         # weight of the newest sample: a second of one busy core (a client starting) stays below BUSY_FROM
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_TICK = os.sysconf("SC_CLK_TCK")
 
 
 def cores_busy_seconds(cpus: Iterable[int], path: str = "/proc/stat") -> float | None:
@@ -47,13 +47,21 @@ def cores_busy_seconds(cpus: Iterable[int], path: str = "/proc/stat") -> float |
     return total / _TICK
 
 
-def process_cpu_seconds(pid: int) -> float | None:
-    """User + system seconds of process `pid` (all its threads), or None if it is gone."""
+def stat_fields(pid: int) -> list[bytes] | None:
+    """/proc/PID/stat's fields after the command name (state first), or None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _TICK
-    except (OSError, IndexError, ValueError):
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system seconds of process `pid` (all its threads), or None if it is gone."""
+    fields = stat_fields(pid)
+    try:
+        return (int(fields[11]) + int(fields[12])) / _TICK if fields is not None else None
+    except (IndexError, ValueError):
         return None
 
 
@@ -81,10 +89,10 @@ class OtherLoad:
         if self._last is not None and now - self._last[0] < self.period:
             return
         busy = self._busy(self.cpus)
-        ours = {pid: s for pid in set(self._pids()) if (s := self._cpu(pid)) is not None}
         if busy is None:
             self._last = None
             return
+        ours = {pid: s for pid in set(self._pids()) if (s := self._cpu(pid)) is not None}
         last, self._last = self._last, (now, busy, ours)
         if last is None or ours.keys() != last[2].keys() or now <= last[0]:
             return   # the first sample, or engines came or went: no difference to take yet
