@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from kvrelay.engine.core_share import Post, share
 from kvrelay.engine.host_load import BUSY_FROM, SAMPLE_PERIOD, OtherLoad, cores_busy_seconds, process_cpu_seconds
 
@@ -48,11 +50,23 @@ def test_a_busy_process_beside_the_engines_takes_its_core_and_gives_it_back():
     for _ in range(4):
         host.run(SAMPLE_PERIOD, ours=1.0, theirs=1.0)
         taken.append(load.cores_taken())
-    assert taken[-1] == 1 and taken == sorted(taken)   # smoothed: it rises to one core, never past it
-    for _ in range(6):
-        host.run(SAMPLE_PERIOD, ours=2.0, theirs=0.0)
-        taken.append(load.cores_taken())
-    assert taken[-1] == 0
+    assert taken[0] == 0 and taken[-1] == 1 and taken == sorted(taken)   # smoothed: it rises to one core, never past it
+    host.run(SAMPLE_PERIOD, ours=2.0, theirs=0.05)
+    assert load.cores_taken() == 0 and load.load == pytest.approx(0.05)   # the core comes back at once
+
+
+def test_a_neighbour_on_every_core_that_stops_leaves_them_at_the_next_sample():
+    host = Host()
+    load = host.load()
+    load.cores_taken()
+    for _ in range(12):
+        host.run(SAMPLE_PERIOD, ours=0.0, theirs=2.0)   # another server's run: both cores
+        load.cores_taken()
+    assert load.cores_taken() == 2
+    host.run(SAMPLE_PERIOD, ours=1.0, theirs=1.0)   # it stops half way through a sample
+    assert load.cores_taken() == 1
+    host.run(SAMPLE_PERIOD, ours=2.0, theirs=0.0)
+    assert load.cores_taken() == 0 and load.load == 0.0
 
 
 def test_samples_are_rate_limited_and_skip_a_change_of_engines():
