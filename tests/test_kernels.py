@@ -132,9 +132,26 @@ def test_native_argmax_and_topk_match_torch():
     assert top[3, 0].item() == 10 and top[3, 1].item() == 4000
 
 
-@pytest.mark.parametrize("S,D,G,lens", SHAPES)
-def test_native_prefill_matches_causal_attention(S, D, G, lens):
-    kernel = kernels.paged_prefill()
+# The prefill kernels: vdpbf16ps (every AVX-512 BF16 CPU) and, with AMX, the tiles, whose
+# query blocks of 16 rows and key blocks of 32 the longer shapes cross, partly filled.
+PREFILLS = ["native", pytest.param("tiles", marks=pytest.mark.skipif(not HAS_AMX_BF16, reason="no AMX on this CPU"))]
+PREFILL_SHAPES = SHAPES + [(16, 64, 3, [1, 255, 256, 300, 33]), (16, 128, 2, [97, 130]), (4, 64, 9, [70, 3])]
+
+
+def prefill_kernel(name: str):
+    kernel = kernels.paged_prefill() if name == "native" else kernels.paged_prefill_tiles()
+    assert kernel is not None, f"the {name} prefill kernel runs on this CPU"
+    return kernel
+
+
+def test_the_tiles_prefill_kernel_is_there_exactly_where_amx_is():
+    assert (kernels.paged_prefill_tiles() is not None) == HAS_AMX_BF16
+
+
+@pytest.mark.parametrize("name", PREFILLS)
+@pytest.mark.parametrize("S,D,G,lens", PREFILL_SHAPES)
+def test_native_prefill_matches_causal_attention(name, S, D, G, lens):
+    kernel = prefill_kernel(name)
     gen = torch.Generator().manual_seed(4)
     L, H, B = 3, 2, len(lens)
     max_pages = -(-max(lens) // S)

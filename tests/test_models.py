@@ -309,41 +309,49 @@ def test_bfloat16_model_follows_float32(tiny_llama_dir):
     assert (logits["bfloat16"] - logits["float32"]).abs().max().item() < 0.1
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_bfloat16_prefill_attention_takes_the_path_chosen_for_this_cpu(amx, tmp_path, monkeypatch):
-    """With AMX, a bfloat16 prefill pass goes through torch's flash attention unless padding
-    would multiply its query-key pairs by more than TILE_PAD_LIMIT; without AMX, and in
-    float32, through the native kernel. Both are forced, whatever this CPU has, and both
-    follow float32: a whole prompt, a chunk over the cached prefix, prompts beside a decode."""
-    from kvrelay.engine.attention import cpu_native as layers
-    from kvrelay.engine.kernels import paged_prefill
+HAS_AMX = "amx_bf16" in open("/proc/cpuinfo").read()
 
-    real = paged_prefill()
+
+@pytest.mark.parametrize("path", ["native", "flash", pytest.param(
+    "tiles", marks=pytest.mark.skipif(not HAS_AMX, reason="the tiles' kernel needs AMX"))])
+def test_bfloat16_prefill_attention_takes_the_path_chosen_for_this_cpu(path, tmp_path, monkeypatch):
+    """With AMX, a bfloat16 prefill pass goes through the tiles' kernel, every pass; with AMX
+    but without that kernel, through torch's flash attention unless padding would multiply
+    its query-key pairs by more than TILE_PAD_LIMIT; without AMX, and in float32, through
+    the native kernel. Each is forced, and each follows float32: a whole prompt, a chunk
+    over the cached prefix, prompts beside a decode."""
+    from kvrelay.engine.attention import cpu_native as layers
+    from kvrelay.engine.kernels import paged_prefill, paged_prefill_tiles
+
     assert not layers.prefill_on_tiles(build_forward_batch([SeqChunk([1, 2], 0, [1])], 4), torch.float32)
-    if real is None:   # no native prefill here: torch's path is the only one
+    if paged_prefill() is None:   # no native prefill here: torch's path is the only one
         return
 
-    class Counted:
-        def supports(self, *a):
-            return real.supports(*a)
+    def counted(name, real):
+        class Counted:
+            def supports(self, *a):
+                return real.supports(*a)
 
-        def __call__(self, *a, **k):
-            calls.append(1)
-            return real(*a, **k)
+            def __call__(self, *a, **k):
+                calls.append(name)
+                return real(*a, **k)
+        return Counted
 
-    calls: list[int] = []
-    monkeypatch.setattr(layers, "amx_bf16", lambda: amx)
-    monkeypatch.setattr(layers, "paged_prefill", Counted)
+    calls: list[str] = []
+    monkeypatch.setattr(layers, "amx_bf16", lambda: path != "native")
+    monkeypatch.setattr(layers, "paged_prefill", counted("native", paged_prefill()))
+    monkeypatch.setattr(layers, "paged_prefill_tiles",
+                        counted("tiles", paged_prefill_tiles()) if path == "tiles" else lambda: None)
     d = make_tiny_model_dir(tmp_path, head_dim=64, num_attention_heads=2, num_key_value_heads=1, hidden_size=128)
     full = random_prompts(49152, [30, 9, 5], seed=4)
     # (sequence, start, end) per pass: a whole prompt beside another, a chunk over the cached
     # prefix, then a last chunk beside a whole prompt and a decode.
     passes = ([(0, 0, 12), (2, 0, 4)], [(0, 12, 24)], [(0, 24, 30), (1, 0, 9), (2, 4, 5)])
-    logits, native = {}, {}
+    logits, kernel = {}, {}
     for dtype in ("float32", "bfloat16"):
         loaded = load_model(ModelOptions(model=str(d), dtype=dtype))
         sess = PagedSession(loaded, attention="cpu_native")
-        native[dtype] = []
+        kernel[dtype] = []
         try:
             sess.add(list(full), reserve=0)
             out = []
@@ -352,16 +360,17 @@ def test_bfloat16_prefill_attention_takes_the_path_chosen_for_this_cpu(amx, tmp_
                     sess.seqs[seq] = full[seq][:end]
                 calls.clear()
                 out.append(sess.run([(seq, full[seq][start:end]) for seq, start, end in p]))
-                native[dtype].append(bool(calls))
+                kernel[dtype].append(calls[0] if calls else "flash")
             logits[dtype] = torch.cat(out)
         finally:
             sess.close()
     assert (logits["bfloat16"] - logits["float32"]).abs().max().item() < 0.1
-    assert native["float32"] == [True, True, True]                # float32 never goes to the tiles
+    assert kernel["float32"] == ["native"] * 3                # float32 never goes to the tiles
     # The last pass: 6 x 30 + 9 x 9 + 1 x 5 query-key pairs, padded to 3 sequences x 9
-    # queries x 8 pages of 4 keys: more than TILE_PAD_LIMIT times, so it stays native.
+    # queries x 8 pages of 4 keys: more than TILE_PAD_LIMIT times, so flash leaves it native.
     assert 3 * 9 * 32 > layers.TILE_PAD_LIMIT * (6 * 30 + 9 * 9 + 1 * 5)
-    assert native["bfloat16"] == ([False, False, True] if amx else [True, True, True])
+    want = {"native": ["native"] * 3, "flash": ["flash", "flash", "native"], "tiles": ["tiles"] * 3}
+    assert kernel["bfloat16"] == want[path]
 
 
 # ------------------------------------------------------------------ the default model (GGUF)

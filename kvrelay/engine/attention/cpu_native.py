@@ -1,8 +1,9 @@
 """`cpu_native`: the native CPU kernels (`engine.kernels`): RoPE fused with the K/V store,
 paged decode (bfloat16, float32, 8-bit pools, and a float32 model's bfloat16 pool) and
-paged prefill, reading the pool in place; bfloat16 prefill on AMX tiles through torch's
-flash attention; torch paths for the passes and shapes no kernel takes (gathered pages
-under a mask, or the fresh K/V causally)."""
+paged prefill, reading the pool in place (bfloat16 on the AMX tiles where the CPU has
+them, else through torch's flash attention where that is faster); torch paths for the
+passes and shapes no kernel takes (gathered pages under a mask, or the fresh K/V
+causally)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,11 +13,14 @@ import torch.nn.functional as F
 
 from kvrelay.engine.attention.base import AttentionBackend, AttentionMetadata, apply_rope, dense_mask, row_slot
 from kvrelay.engine.forward import ForwardBatch
-from kvrelay.engine.kernels import PagedDecode, PagedPrefill, amx_bf16, elementwise, paged_decode, paged_prefill
+from kvrelay.engine.kernels import (PagedDecode, PagedPrefill, amx_bf16, elementwise, paged_decode, paged_prefill,
+                                    paged_prefill_tiles)
 from kvrelay.engine.kernels.kvq import PagedDecodeQ8, paged_decode_q8
 from kvrelay.engine.kv_pool import TORCH_DTYPES
 
-# With AMX, torch's flash attention runs a bfloat16 prefill on the tiles: the default model's
+# With AMX, the tiles' own prefill kernel (`kernels/prefill_attention_amx.c`) takes every
+# bfloat16 prefill pass. Where it is not built, torch's flash attention runs one on the
+# tiles: the default model's
 # 30 layers over one 2,048-token prompt took 0.7 s against 3.6 s in the native kernel (which
 # computes with vdpbf16ps), 2.4 against 12.1 s at 4,096 tokens, on a 2-core Xeon with AMX.
 # Torch pads every sequence of a pass to the longest query run and key run, so it takes a
@@ -74,10 +78,7 @@ class CpuNativeBackend(AttentionBackend):
             native = paged_decode() if decode else None
             if native is not None and not native.supports(dtype, L.head_dim, group, compute):
                 native = None
-            prefill = paged_prefill() if native is None else None
-            if prefill is not None and (not prefill.supports(dtype, L.head_dim, group, compute)
-                                        or prefill_on_tiles(batch, compute)):
-                prefill = None
+            prefill = self._prefill_kernel(batch, dtype, compute) if native is None else None
         # Only the torch path over the pool reads keys by row, under the mask.
         gathered = not batch.no_prefix and native is None and prefill is None
         # One sequence's chunk after its prefix runs unmasked (`_prefix_then_chunk`).
@@ -90,6 +91,18 @@ class CpuNativeBackend(AttentionBackend):
             q_rows=torch.cumsum(q_lens, 0) - q_lens, row_slot=row_slot(batch),
             read_rows=self.kv.row_ids(batch.page_table) if gathered else None,
             mask=mask, masked_out=None if mask is None else ~mask)
+
+    def _prefill_kernel(self, batch: ForwardBatch, dtype: torch.dtype, compute: torch.dtype) -> PagedPrefill | None:
+        """The tiles' kernel where it runs (every pass: it reads the pool, prefix or not, and
+        pads nothing), else the native one unless torch's flash kernel is faster for the pass."""
+        head_dim, group = self.kv.layout.head_dim, self.group
+        tiles = paged_prefill_tiles()
+        if tiles is not None and tiles.supports(dtype, head_dim, group, compute):
+            return tiles
+        prefill = paged_prefill()
+        if prefill is None or not prefill.supports(dtype, head_dim, group, compute) or prefill_on_tiles(batch, compute):
+            return None
+        return prefill
 
     def rope_and_store(self, qkv: torch.Tensor, layer: int,
                        meta: NativeMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
