@@ -174,24 +174,27 @@ class PrefillSide(Coordinator):
                 self._write_pending(r, lease)
 
     def _unacked(self, r: Room, lease: PeerLease) -> None:
-        """D is alive and still waiting although every byte and the aux went out. While
-        bytes of the room are missing and D reports new bytes landed, the bytes are on
-        their way: wait. Otherwise resend the aux (it may have been lost; once every byte
-        is in, only the aux or the ack is missing), and give up after `heartbeat_misses`
-        heartbeats in a row without progress. This bounds a stalled transfer by the
-        lease, not by --transfer-timeout, and never fails one that moves."""
+        """D is alive and still waiting although every byte and the aux went out. While D
+        reports new bytes of this worker landed, the room is on its way: its own missing
+        bytes, or, once they are all in, its aux behind what was queued before it on the
+        link (other rooms' bytes: a 2 Mbit/s link took seconds to drain them, and counting
+        those heartbeats as stalls failed a room whose bytes had all landed). Otherwise it
+        gives up after `heartbeat_misses` heartbeats in a row without progress. The aux is
+        resent at every heartbeat without progress, and at every one once all the room's
+        bytes are in (then only the aux or the ack is missing, and the aux may have been
+        lost). This bounds a stalled transfer by the lease, not by --transfer-timeout,
+        and never fails one that moves."""
         landed, snd = lease.progress.get(r.room, 0), self._senders[r.room]
         missing = landed < snd.bytes_sent   # aux out: every byte was handed off
         if mutation.on("progress_counts_pages"):
             missing = landed < len(snd.dest.dst_pages if snd.dest else ())
-        moved = self._link_moved(r, lease)
-        n = self._stalls(r, missing and moved)
+        n = self._stalls(r, self._link_moved(r, lease))
         if n > self.cfg.heartbeat_misses:
             self._fail(r, Reason.TRANSFER_ERROR.value,
                        f"decode side reported no KV progress ({landed} bytes landed) and no ack "
                        f"in {n} heartbeats")
-        elif n:
-            self._senders[r.room].resend()
+        elif n or not missing:
+            snd.resend()
 
     def _write_pending(self, r: Room, lease: PeerLease) -> None:
         """D is alive and waiting while this worker's write of the room is still pending
