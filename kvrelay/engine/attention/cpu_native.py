@@ -20,9 +20,9 @@ from kvrelay.engine.kv_pool import TORCH_DTYPES
 
 # With AMX, the tiles' own prefill kernel (`kernels/prefill_attention_amx.c`) takes every
 # bfloat16 prefill pass. Where it is not built, torch's flash attention runs one on the
-# tiles: the default model's
-# 30 layers over one 2,048-token prompt took 0.7 s against 3.6 s in the native kernel (which
-# computes with vdpbf16ps), 2.4 against 12.1 s at 4,096 tokens, on a 2-core Xeon with AMX.
+# tiles: the default model's 30 layers over one 2,048-token prompt took 0.7 s against 3.6 s
+# in the native kernel (which computes with vdpbf16ps), 2.4 against 12.1 s at 4,096 tokens,
+# on a 2-core Xeon with AMX.
 # Torch pads every sequence of a pass to the longest query run and key run, so it takes a
 # pass only while that padding at most multiplies the query-key pairs by TILE_PAD_LIMIT: a
 # chunk beside a batch of decodes (one query each) stays on the native kernel.
