@@ -51,6 +51,15 @@ def test_variants_cover_the_cpu():
     assert runs == sorted(runs)
 
 
+def test_only_the_avx512_bf16_variant_offers_the_tiles_prefill_kernel(variant):
+    """The AMX prefill attention is built into the AVX-512 BF16 library only, and offered
+    only where the CPU has AMX; every other variant reports it unavailable."""
+    if variant is None:
+        return
+    want = variant == "avx512_bf16" and "amx_bf16" in kernels.cpu_features()
+    assert (kernels.paged_prefill_tiles() is not None) == want
+
+
 def make_pool(gen, dtype, lens, S, D, H, L=3):
     B = len(lens)
     max_pages = -(-max(lens) // S)
