@@ -1,8 +1,9 @@
 #!/bin/bash
 # #13: every kernel variant this Xeon (AVX-512 BF16, AMX) runs, forced (--kernels), bf16-stored weights
 # and int4, (a) and (b), colocated kvrelay, 3 alternated rounds, all six servers up at once.
+# xeon-emr-per-isa-13/run.sh runs this script into its own folder.
 cd "$(dirname "$0")/../../.."
-out=benchmarks/results/xeon-amx-per-isa-13; mkdir -p $out
+out=${OUT:-benchmarks/results/xeon-amx-per-isa-13}; mkdir -p $out   # OUT: another sitting's folder
 lscpu > $out/lscpu.txt; git log --oneline -1 > $out/commit.txt
 port=8400
 names=()
