@@ -33,10 +33,6 @@
 
 #if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BF16__) && \
     ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
-#include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #define PA_TARGET __attribute__((target("amx-tile,amx-bf16")))
 #define PA_ROWS 16
 #define PA_TILE 512   /* uint16 in one B tile: 16 rows x 32 */
