@@ -88,9 +88,12 @@ int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const
         for (int64_t w = lo + i0; w < lo + i1; ++w) {                                        \
             if (failed) continue;                                                            \
             const int64_t b = w / H, h = w % H, off = ((b * H + h) * G) * D;                 \
+            const int64_t nw = w + 1 < lo + i1 ? w + 1 : -1;                                  \
             if (FAST)                                                                        \
                 FAST_ITEM(pool, page_table + b * max_pages, kv_lens[b], q + off, out + off,   \
-                          layer, L, H, h, G, S, D, scale, scores);                            \
+                          layer, L, H, h, G, S, D, scale, scores,                             \
+                          nw < 0 ? 0 : page_table + (nw / H) * max_pages,                     \
+                          nw < 0 ? 0 : (kv_lens[nw / H] < longest ? kv_lens[nw / H] : longest), nw % H); \
             else if (D == 64)                                                                \
                 ITEM(64)(pool, page_table + b * max_pages, kv_lens[b], q + off, out + off,    \
                          layer, L, H, h, G, S, scale, scores);                               \

@@ -65,12 +65,18 @@ static inline __attribute__((always_inline)) void score16(const uint16_t *const 
 #define FAST_GB 4
 static inline __attribute__((always_inline)) void values_block(const uint16_t *const *vrows, int64_t n,
                                                                const float *p, int64_t pstride, int gb,
-                                                               int dv, float *out) {
+                                                               int dv, float *out, const uint16_t *const *ahead,
+                                                               int64_t ahead_n, int dim) {
     __m512 ev[FAST_GB * 4], od[FAST_GB * 4];
     const __m512i hi_mask = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int i = 0; i < gb * dv; ++i) ev[i] = od[i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; ++t) {
         const uint16_t *v = vrows[t];
+        if (t < ahead_n)
+            for (int c = 0; c < dim * 2; c += 64) {
+                _mm_prefetch((const char *)ahead[t] + c, _MM_HINT_T1);
+                _mm_prefetch((const char *)ahead[ahead_n + t] + c, _MM_HINT_T1);
+            }
 #pragma GCC unroll 4
         for (int c = 0; c < dv; ++c) {
             const __m512i x = _mm512_loadu_si512((const void *)(v + 32 * c));
@@ -123,7 +129,8 @@ static inline int64_t score_stride(int64_t n) { return (n + 31) / 16 * 16; }
 static inline __attribute__((always_inline)) void fast_item(const uint16_t *pool, const int64_t *pages, int64_t n,
                                                             const uint16_t *q, uint16_t *out, int64_t layer,
                                                             int64_t L, int64_t H, int64_t h, int64_t G, int64_t S,
-                                                            int dim, float scale, float *scratch) {
+                                                            int dim, float scale, float *scratch,
+                                                            const int64_t *next_pages, int64_t next_n, int64_t next_h) {
     const int dv = dim / 32;
     const int64_t head_stride = S * dim, page_stride = L * 2 * H * head_stride, pstride = score_stride(n);
     float *scores = scratch;
@@ -146,6 +153,18 @@ static inline __attribute__((always_inline)) void fast_item(const uint16_t *pool
         const float inv = 1.f / exp_shifted(sg, n);
         for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
     }
+    /* The next item's rows, pulled into L2 during the value pass (which reads from cache):
+     * its first scoring pass then finds them there. */
+    const uint16_t **ahead = vrows + n;
+    int64_t ahead_n = 0;
+    if (next_pages != 0)
+        for (int64_t i = 0; ahead_n < next_n; ++i) {
+            const uint16_t *k = pool + next_pages[i] * page_stride + (layer * 2 * H + next_h) * head_stride;
+            for (int64_t j = 0; j < S && ahead_n < next_n; ++j, ++ahead_n) {
+                ahead[ahead_n] = k + j * dim;
+                ahead[next_n + ahead_n] = k + H * head_stride + j * dim;
+            }
+        }
     float acc[FAST_GB * 128];
     const int gmax = dim == 64 ? FAST_GB : FAST_GB / 2;  /* 16 accumulator registers at most */
     for (int64_t g0 = 0; g0 < G; g0 += gmax) {
@@ -153,15 +172,15 @@ static inline __attribute__((always_inline)) void fast_item(const uint16_t *pool
         const float *p = scores + g0 * pstride;
         if (dim == 64) {
             switch (gb) {
-            case 1: values_block(vrows, n, p, pstride, 1, 2, acc); break;
-            case 2: values_block(vrows, n, p, pstride, 2, 2, acc); break;
-            case 3: values_block(vrows, n, p, pstride, 3, 2, acc); break;
-            default: values_block(vrows, n, p, pstride, 4, 2, acc); break;
+            case 1: values_block(vrows, n, p, pstride, 1, 2, acc, ahead, g0 == 0 ? ahead_n : 0, dim); break;
+            case 2: values_block(vrows, n, p, pstride, 2, 2, acc, ahead, g0 == 0 ? ahead_n : 0, dim); break;
+            case 3: values_block(vrows, n, p, pstride, 3, 2, acc, ahead, g0 == 0 ? ahead_n : 0, dim); break;
+            default: values_block(vrows, n, p, pstride, 4, 2, acc, ahead, g0 == 0 ? ahead_n : 0, dim); break;
             }
         } else {
             switch (gb) {
-            case 1: values_block(vrows, n, p, pstride, 1, 4, acc); break;
-            default: values_block(vrows, n, p, pstride, 2, 4, acc); break;
+            case 1: values_block(vrows, n, p, pstride, 1, 4, acc, ahead, g0 == 0 ? ahead_n : 0, dim); break;
+            default: values_block(vrows, n, p, pstride, 2, 4, acc, ahead, g0 == 0 ? ahead_n : 0, dim); break;
             }
         }
         for (int64_t i = 0; i < gb * dim; ++i) out[g0 * dim + i] = bf16_round(acc[i]);
@@ -170,7 +189,7 @@ static inline __attribute__((always_inline)) void fast_item(const uint16_t *pool
 
 /* Scratch floats one thread needs for items of up to `longest` keys. */
 static inline int64_t fast_scratch_floats(int64_t G, int64_t longest) {
-    return G * score_stride(longest) + 2 * longest * (int64_t)(sizeof(void *) / sizeof(float));
+    return G * score_stride(longest) + 4 * longest * (int64_t)(sizeof(void *) / sizeof(float));
 }
 
 #endif
