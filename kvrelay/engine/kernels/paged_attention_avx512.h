@@ -125,7 +125,8 @@ static inline __attribute__((always_inline)) void prefetch_rows(const uint16_t *
 static inline int64_t score_stride(int64_t n) { return (n + 31) / 16 * 16; }
 
 /* One (sequence, kv head) item; `scratch` holds G * score_stride(n) floats, then 2n row
- * pointers. */
+ * pointers, then 2 next_n for the next item (next_pages NULL: none), which the value pass
+ * prefetches. */
 static inline __attribute__((always_inline)) void fast_item(const uint16_t *pool, const int64_t *pages, int64_t n,
                                                             const uint16_t *q, uint16_t *out, int64_t layer,
                                                             int64_t L, int64_t H, int64_t h, int64_t G, int64_t S,
