@@ -32,7 +32,9 @@
 #define DEFINE_ITEM(NAME, T, LOAD, TQ, LOADQ, STOREQ, DIM)                                    \
 static void NAME(const T *pool, const int64_t *pages, int64_t n, const TQ *q, TQ *out,       \
                  int64_t layer, int64_t L, int64_t H, int64_t h, int64_t G, int64_t S,       \
-                 float scale, float *scores) {                                               \
+                 float scale, float *scores, const int64_t *next_pages, int64_t next_n,      \
+                 int64_t next_h) {                                                           \
+    (void)next_pages; (void)next_n; (void)next_h;                                            \
     float qf[MAX_GROUP * DIM], acc[MAX_GROUP * DIM], row[DIM];                               \
     const int64_t page_stride = L * 2 * H * S * DIM, head_stride = S * DIM;                  \
     for (int64_t i = 0; i < G * DIM; ++i) qf[i] = LOADQ(q + i) * scale;                      \
@@ -88,18 +90,19 @@ int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const
         for (int64_t w = lo + i0; w < lo + i1; ++w) {                                        \
             if (failed) continue;                                                            \
             const int64_t b = w / H, h = w % H, off = ((b * H + h) * G) * D;                 \
+            /* the item this thread most likely takes next, whose rows the item prefetches */ \
             const int64_t nw = w + 1 < lo + i1 ? w + 1 : -1;                                  \
+            const int64_t *np = nw < 0 ? 0 : page_table + (nw / H) * max_pages;              \
+            const int64_t nn = nw < 0 ? 0 : kv_lens[nw / H] < longest ? kv_lens[nw / H] : longest; \
             if (FAST)                                                                        \
                 FAST_ITEM(pool, page_table + b * max_pages, kv_lens[b], q + off, out + off,   \
-                          layer, L, H, h, G, S, D, scale, scores,                             \
-                          nw < 0 ? 0 : page_table + (nw / H) * max_pages,                     \
-                          nw < 0 ? 0 : (kv_lens[nw / H] < longest ? kv_lens[nw / H] : longest), nw % H); \
+                          layer, L, H, h, G, S, D, scale, scores, np, nn, nw % H);            \
             else if (D == 64)                                                                \
                 ITEM(64)(pool, page_table + b * max_pages, kv_lens[b], q + off, out + off,    \
-                         layer, L, H, h, G, S, scale, scores);                               \
+                         layer, L, H, h, G, S, scale, scores, np, nn, nw % H);               \
             else                                                                             \
                 ITEM(128)(pool, page_table + b * max_pages, kv_lens[b], q + off, out + off,   \
-                          layer, L, H, h, G, S, scale, scores);                              \
+                          layer, L, H, h, G, S, scale, scores, np, nn, nw % H);              \
         }                                                                                    \
         free(scores);                                                                        \
     }                                                                                        \

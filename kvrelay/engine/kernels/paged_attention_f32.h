@@ -9,7 +9,9 @@
  *           key and head.
  * The pool is larger than the caches, so the item is bound by DRAM: while it scores a
  * block it prefetches that block's values and the keys two blocks on (a page's rows are
- * contiguous, its neighbour is anywhere). Scores, softmax and sums are float32.
+ * contiguous, its neighbour is anywhere), and its first value pass, which reads from
+ * cache, prefetches the next item's rows (a Zen 4 forced to avx2 or avx512_vnni, the same
+ * batch: 18.5-20.5 -> 15.6-17.7 ms). Scores, softmax and sums are float32.
  */
 #ifndef KVRELAY_PAGED_ATTENTION_F32_H
 #define KVRELAY_PAGED_ATTENTION_F32_H
@@ -76,6 +78,12 @@ static inline void dec_reduce4(const vf *a, float *dst) {
         for (int64_t t = 0, i = 0; t < n; ++i) {                                                  \
             const T *vpage = pool + pages[i] * page_stride + v_off + c0 * V;                      \
             for (int64_t j = 0; j < S && t < n; ++j, ++t) {                                       \
+                if (t < ahead_n) {   /* the next item's key and value row t */                    \
+                    const T *nrow = pool + next_pages[np] * page_stride + nk_off + ns * HD;       \
+                    dec_prefetch_row(nrow, row_bytes);                                            \
+                    dec_prefetch_row(nrow + H * head_stride, row_bytes);                          \
+                    if (++ns == S) { ns = 0; ++np; }                                              \
+                }                                                                                 \
                 vf p[GC];                                                                         \
                 _Pragma("GCC unroll 3") for (int gg = 0; gg < GC; ++gg)                           \
                     p[gg] = VSET1(scores[(g0 + gg) * npad + t]);                                  \
@@ -105,7 +113,8 @@ static inline void dec_reduce4(const vf *a, float *dst) {
 #define DEFINE_DEC_ITEM(NAME, T, LOADV, TQ, LOADQ, STOREQ, DIM)                                   \
 static void NAME(const T *pool, const int64_t *pages, int64_t n, const TQ *q, TQ *out,            \
                  int64_t layer, int64_t L, int64_t H, int64_t h, int64_t G, int64_t S,            \
-                 float scale, float *scores) {                                                    \
+                 float scale, float *scores, const int64_t *next_pages, int64_t next_n,           \
+                 int64_t next_h) {                                                                \
     enum { HD = DIM, C = DIM / V };   /* C: a multiple of 4 (DIM 64 or 128, V 8 or 16) */         \
     float qf[MAX_GROUP * DIM], o[MAX_GROUP * DIM];                                                \
     const int64_t head_stride = S * DIM, page_stride = L * 2 * H * head_stride;                   \
@@ -134,8 +143,12 @@ static void NAME(const T *pool, const int64_t *pages, int64_t n, const TQ *q, TQ
                 DEC_HEADS(DEC_SCORE4, LOADV)                                                      \
     }                                                                                             \
     for (int64_t g = 0; g < G; ++g) dec_softmax(scores + g * npad, n);                            \
+    /* The first value pass (from L2) pulls the next item's rows in: its scoring pass then */     \
+    /* reads them from L2 too (next_pages NULL: no next item). */                                 \
+    const int64_t nk_off = (layer * 2 * H + next_h) * head_stride;                                \
+    int64_t np = 0, ns = 0, ahead_n = next_pages ? next_n : 0;                                    \
     for (int64_t g0 = 0; g0 < G; g0 += DEC_GC)                                                    \
-        for (int c0 = 0; c0 < C; c0 += 4)                                                         \
+        for (int c0 = 0; c0 < C; c0 += 4, ahead_n = 0)                                            \
             DEC_HEADS(DEC_VALUES4, T, LOADV)                                                      \
     for (int64_t i = 0; i < G * DIM; ++i) out[i] = STOREQ(o[i]);                                  \
 }
