@@ -90,8 +90,10 @@ int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const
         for (int64_t w = lo + i0; w < lo + i1; ++w) {                                        \
             if (failed) continue;                                                            \
             const int64_t b = w / H, h = w % H, off = ((b * H + h) * G) * D;                 \
-            /* the item this thread most likely takes next, whose rows the item prefetches */ \
-            const int64_t nw = w + 1 < lo + i1 ? w + 1 : -1;                                  \
+            /* the item this thread most likely takes next (its part's units go front to    \
+             * back, so past this unit's end too), whose rows the item prefetches; one      \
+             * another thread took is only a wasted prefetch */                             \
+            const int64_t nw = w + 1 < hi ? w + 1 : -1;                                       \
             const int64_t *np = nw < 0 ? 0 : page_table + (nw / H) * max_pages;              \
             const int64_t nn = nw < 0 ? 0 : kv_lens[nw / H] < longest ? kv_lens[nw / H] : longest; \
             if (FAST)                                                                        \
