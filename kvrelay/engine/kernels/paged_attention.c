@@ -95,7 +95,7 @@ int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const
              * another thread took is only a wasted prefetch */                             \
             const int64_t nw = w + 1 < hi ? w + 1 : -1;                                       \
             const int64_t *np = nw < 0 ? 0 : page_table + (nw / H) * max_pages;              \
-            const int64_t nn = nw < 0 ? 0 : kv_lens[nw / H] < longest ? kv_lens[nw / H] : longest; \
+            const int64_t nn = nw < 0 ? 0 : kv_lens[nw / H];   /* <= longest: nw < hi */     \
             if (FAST)                                                                        \
                 FAST_ITEM(pool, page_table + b * max_pages, kv_lens[b], q + off, out + off,   \
                           layer, L, H, h, G, S, D, scale, scores, np, nn, nw % H);            \
