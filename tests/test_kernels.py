@@ -135,7 +135,8 @@ def test_native_argmax_and_topk_match_torch():
 # The prefill kernels: vdpbf16ps (every AVX-512 BF16 CPU) and, with AMX, the tiles, whose
 # query blocks of 16 rows and key blocks of 32 the longer shapes cross, partly filled.
 PREFILLS = ["native", pytest.param("tiles", marks=pytest.mark.skipif(not HAS_AMX_BF16, reason="no AMX on this CPU"))]
-PREFILL_SHAPES = SHAPES + [(16, 64, 3, [1, 255, 256, 300, 33]), (16, 128, 2, [97, 130]), (4, 64, 9, [70, 3])]
+PREFILL_SHAPES = SHAPES + [(16, 64, 3, [1, 255, 256, 300, 33]), (16, 128, 2, [97, 130]), (4, 64, 9, [70, 3]),
+                          (16, 64, 3, [700])]   # one prompt alone: runs of rows (prefill_plan.h)
 
 
 def prefill_kernel(name: str):

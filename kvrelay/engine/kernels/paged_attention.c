@@ -24,6 +24,7 @@
 #include "prefill_attention_avx512.h"
 #include "paged_attention_f32.h"
 #include "prefill_attention_f32.h"
+#include "prefill_plan.h"
 
 #define MAX_GROUP 16
 #define DEC_UNIT 2   /* work items a stolen unit holds (worksteal.h) */
@@ -146,10 +147,10 @@ DEFINE_KERNEL(paged_decode_bf16kv_f32, uint16_t, float, 0, ITEM_MIXED, ITEM_SCRA
 
 /* Prefill attention from the pool: B sequences, sequence b with kv_lens[b] keys whose
  * last q_lens[b] are queries at rows q_rows[b].. of q (rows q_stride elements apart); out
- * rows are Hq * D, contiguous. Items (b, kv head) are unequal, so they are handed out
- * dynamically. bfloat16 runs the AVX-512 BF16 item where it is compiled in, else the
- * float32 item with bf16 widened (prefill_attention_f32.h). Returns -2 for a shape
- * without a kernel. */
+ * rows are Hq * D, contiguous. Items (b, kv head, run of query rows: prefill_plan.h) are
+ * unequal, so they are handed out dynamically, the costliest first. bfloat16 runs the
+ * AVX-512 BF16 item where it is compiled in, else the float32 item with bf16 widened
+ * (prefill_attention_f32.h). Returns -2 for a shape without a kernel, -1 out of memory. */
 #define DEFINE_PREFILL(NAME, T, TQ, SCRATCH_FLOATS, ITEM)                                              \
 int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const int64_t *q_lens,     \
          const int64_t *q_rows, const TQ *q, int64_t q_stride, TQ *out, int64_t B, int64_t max_pages, \
@@ -160,20 +161,25 @@ int NAME(const T *pool, const int64_t *page_table, const int64_t *kv_lens, const
         if (kv_lens[b] > longest) longest = kv_lens[b];                                              \
     int failed = 0;                                                                                  \
     const int64_t out_stride = H * G * D;                                                            \
+    int64_t count = 0;                                                                               \
+    pf_item *items = pf_plan(kv_lens, q_lens, B, H, omp_get_max_threads(), &count);                  \
+    if (!items) return -1;                                                                           \
     _Pragma("omp parallel reduction(|:failed)")                                                      \
     {                                                                                                \
         float *scratch = malloc(sizeof(float) * (size_t)SCRATCH_FLOATS(G, longest, D));             \
         if (!scratch) failed = 1;                                                                    \
         _Pragma("omp for schedule(dynamic, 1)")                                                      \
-        for (int64_t w = 0; w < B * H; ++w) {                                                        \
+        for (int64_t w = 0; w < count; ++w) {                                                        \
             if (failed) continue;                                                                    \
-            const int64_t b = w / H, h = w % H;                                                      \
-            ITEM(pool, page_table + b * max_pages, kv_lens[b], q_lens[b], q + q_rows[b] * q_stride,  \
-                 q_stride, out + q_rows[b] * out_stride, out_stride, layer, L, H, h, G, S, (int)D,    \
-                 scale, scratch);                                                                    \
+            const pf_item it = items[w];                                                             \
+            const int64_t row = q_rows[it.b] + it.r0;   /* the run is a chunk of its own */          \
+            ITEM(pool, page_table + it.b * max_pages, kv_lens[it.b] - q_lens[it.b] + it.r1,          \
+                 it.r1 - it.r0, q + row * q_stride, q_stride, out + row * out_stride, out_stride,     \
+                 layer, L, H, it.h, G, S, (int)D, scale, scratch);                                   \
         }                                                                                            \
         free(scratch);                                                                               \
     }                                                                                                \
+    free(items);                                                                                     \
     return failed ? -1 : 0;                                                                          \
 }
 
