@@ -13,32 +13,59 @@
 #define KVRELAY_PREFILL_ATTENTION_AVX512_H
 #ifdef KVRELAY_FAST_DECODE
 
-/* Scores of one query head against r (<= 8) 16-key blocks of kt starting at block b, times
- * scale, into s: r independent accumulators (vdpbf16ps has a latency of several cycles). */
+/* Scores of gh (<= 3) query heads against r (<= 8) 16-key blocks of kt starting at block
+ * b, times scale, into s (head g's at s + g * sstride): gh * r independent accumulators
+ * (vdpbf16ps has a latency of several cycles), and each key vector loaded once for all gh
+ * heads, which share the kv head's keys (one head at a time, the loads outnumbered the dot
+ * products). qp: the heads' query pairs, head g's at qp + g * pairs. */
 static inline __attribute__((always_inline)) void kt_group(const uint32_t *kt, int64_t b, int r, const uint32_t *qp,
-                                                           int pairs, float scale, float *s) {
-    __m512 a[8];
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) a[j] = _mm512_setzero_ps();
+                                                           int gh, int pairs, float scale, float *s, int64_t sstride) {
+    __m512 a[3 * 8];
+#pragma GCC unroll 24
+    for (int j = 0; j < 3 * 8; ++j) a[j] = _mm512_setzero_ps();
     const uint32_t *k = kt + b * pairs * 16;
     for (int p = 0; p < pairs; ++p) {
-        const __m512bh x = (__m512bh)_mm512_set1_epi32((int)qp[p]);
+        __m512bh x[3];
+#pragma GCC unroll 3
+        for (int g = 0; g < 3; ++g)
+            if (g < gh) x[g] = (__m512bh)_mm512_set1_epi32((int)qp[g * pairs + p]);
 #pragma GCC unroll 8
         for (int j = 0; j < 8; ++j)
-            if (j < r)
-                a[j] = _mm512_dpbf16_ps(a[j], x, (__m512bh)_mm512_loadu_si512((const void *)(k + (j * pairs + p) * 16)));
+            if (j < r) {
+                const __m512bh kv = (__m512bh)_mm512_loadu_si512((const void *)(k + (j * pairs + p) * 16));
+#pragma GCC unroll 3
+                for (int g = 0; g < 3; ++g)
+                    if (g < gh) a[g * 8 + j] = _mm512_dpbf16_ps(a[g * 8 + j], x[g], kv);
+            }
     }
     const __m512 sc = _mm512_set1_ps(scale);
-    for (int j = 0; j < r; ++j) _mm512_storeu_ps(s + (b + j) * 16, _mm512_mul_ps(a[j], sc));
+    for (int g = 0; g < gh; ++g)
+        for (int j = 0; j < r; ++j) _mm512_storeu_ps(s + g * sstride + (b + j) * 16, _mm512_mul_ps(a[g * 8 + j], sc));
 }
 
-/* Scores of one query head against `blocks` 16-key blocks of kt, times scale, into s. */
-static inline __attribute__((always_inline)) void kt_scores(const uint32_t *kt, int64_t blocks, const uint16_t *q,
-                                                            int pairs, float scale, float *s) {
-    const uint32_t *qp = (const uint32_t *)q;
+/* Scores of gh heads against `blocks` 16-key blocks of kt (kt_group), r and gh constant
+ * in each call below, so that the compiler keeps every accumulator in a register. */
+static inline __attribute__((always_inline)) void kt_scores_gh(const uint32_t *kt, int64_t blocks, const uint32_t *qp,
+                                                               int gh, int pairs, float scale, float *s,
+                                                               int64_t sstride) {
     int64_t b = 0;
-    for (; b + 8 <= blocks; b += 8) kt_group(kt, b, 8, qp, pairs, scale, s);  /* r constant: no guards */
-    if (b < blocks) kt_group(kt, b, (int)(blocks - b), qp, pairs, scale, s);
+    for (; b + 8 <= blocks; b += 8) kt_group(kt, b, 8, qp, gh, pairs, scale, s, sstride);
+    if (b < blocks) kt_group(kt, b, (int)(blocks - b), qp, gh, pairs, scale, s, sstride);
+}
+
+/* Scores of G query heads (q: head g at q + g * 2 * pairs) against `blocks` 16-key blocks
+ * of kt, times scale, head g's into s + g * sstride, three heads a pass. */
+static void kt_scores(const uint32_t *kt, int64_t blocks, const uint16_t *q, int64_t G, int pairs, float scale,
+                      float *s, int64_t sstride) {
+    for (int64_t g0 = 0; g0 < G; g0 += 3) {
+        const uint32_t *qp = (const uint32_t *)(q + g0 * 2 * pairs);
+        float *sg = s + g0 * sstride;
+        switch (G - g0 < 3 ? G - g0 : 3) {
+        case 1: kt_scores_gh(kt, blocks, qp, 1, pairs, scale, sg, sstride); break;
+        case 2: kt_scores_gh(kt, blocks, qp, 2, pairs, scale, sg, sstride); break;
+        default: kt_scores_gh(kt, blocks, qp, 3, pairs, scale, sg, sstride); break;
+        }
+    }
 }
 
 /* Softmax of s[0, m) as bfloat16 pairs, split in two so that hi + lo carries the float32
@@ -116,10 +143,8 @@ static void prefill_item(const uint16_t *pool, const int64_t *pages, int64_t n, 
     for (int64_t i = 0; i < q_len; ++i) {
         const int64_t m = n - q_len + i + 1, mb = (m + 15) / 16;
         const uint16_t *qi = q + i * q_stride + h * G * dim;
-        for (int64_t g = 0; g < G; ++g) {
-            kt_scores(kt, mb, qi + g * dim, pairs, scale, s + g * npad);
-            softmax_to_pairs(s + g * npad, m, hi + g * npad, lo + g * npad);
-        }
+        kt_scores(kt, mb, qi, G, pairs, scale, s, npad);
+        for (int64_t g = 0; g < G; ++g) softmax_to_pairs(s + g * npad, m, hi + g * npad, lo + g * npad);
         uint16_t *oi = out + i * out_stride + h * G * dim;
         const int64_t npairs = (m + 1) / 2;
         for (int64_t g0 = 0; g0 < G; g0 += gmax) {
