@@ -68,27 +68,55 @@ static void kt_scores(const uint32_t *kt, int64_t blocks, const uint16_t *q, int
     }
 }
 
-/* Softmax of s[0, m) as bfloat16 pairs, split in two so that hi + lo carries the float32
- * probability to about 16 bits: hi[t / 2] holds (p[t], p[t + 1]) rounded, lo the rest.
- * (bf16 probabilities alone flip the default model's near-tie first token.) The pair past
- * an odd m carries probability 0 for the key nobody may see. */
-static inline void softmax_to_pairs(float *s, int64_t m, uint16_t *hi, uint16_t *lo) {
-    const __m512 inv = _mm512_set1_ps(1.f / exp_shifted(s, m));
-    const int64_t padded = (m + 15) & ~(int64_t)15;
-    for (int64_t t = m; t < padded; ++t) s[t] = 0.f;
-    for (int64_t t = 0; t < padded; t += 16) {
-        const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(s + t), inv);
-        const __m256i h = (__m256i)_mm512_cvtneps_pbh(p);
-        const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        _mm256_storeu_si256((__m256i *)(hi + t), h);
-        _mm256_storeu_si256((__m256i *)(lo + t), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(p, back)));
-    }
+/* exp(x) for x <= 0, float32 to a few ulp: 2^(x log2 e) split into an integer n and f in
+ * [-0.5, 0.5], 2^f from its degree-7 Taylor polynomial (error under 1e-8 there), and 2^n
+ * applied by vscalefps (which underflows to 0). Inline, where the vectorized libm call
+ * (libmvec's expf) cost a call per 16 scores. */
+static inline __attribute__((always_inline)) __m512 exp_nonpositive(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5252733804059841e-5f);                 /* ln2^7 / 7! */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381609e-4f));  /* ln2^6 / 6! */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
 }
 
-/* out[g][d] = sum over key pairs tp < npairs of (hi + lo)[g][tp] . vp[tp][d], for gb heads. */
+/* The softmax numerators of s[0, m), e[t] = exp(s[t] - max), as bfloat16 pairs split in two
+ * so that hi + lo carries each to about 16 bits: hi[t / 2] holds (e[t], e[t + 1]) rounded,
+ * lo the rest. (bf16 probabilities alone flip the default model's near-tie first token.)
+ * Entries from m to the next multiple of 16 are 0 (the pair past an odd m carries 0 for
+ * the key nobody may see); s must be readable that far. Returns the sum of the e[t]: the
+ * value sum divides by it once at its end, not every probability here. Two passes: the
+ * maximum, then exp, sum and split. */
+static inline float softmax_to_pairs(const float *s, int64_t m, uint16_t *hi, uint16_t *lo) {
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= m; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
+    if (t < m) vmax = _mm512_mask_max_ps(vmax, (__mmask16)((1u << (m - t)) - 1u), vmax, _mm512_loadu_ps(s + t));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 sum = _mm512_setzero_ps();
+    for (t = 0; t < m; t += 16) {
+        const __mmask16 keep = m - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (m - t)) - 1u);
+        const __m512 e = _mm512_maskz_mov_ps(keep, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), mx)));
+        sum = _mm512_add_ps(sum, e);
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(e);
+        const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        _mm256_storeu_si256((__m256i *)(hi + t), h);
+        _mm256_storeu_si256((__m256i *)(lo + t), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(e, back)));
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
+/* out[g][d] = inv[g] * sum over key pairs tp < npairs of (hi + lo)[g][tp] . vp[tp][d], for gb heads. */
 static inline __attribute__((always_inline)) void vp_values(const uint32_t *vp, int64_t npairs, const uint16_t *hi,
-                                                            const uint16_t *lo, int64_t pstride, int gb, int dv16,
-                                                            uint16_t *out, int dim) {
+                                                            const uint16_t *lo, int64_t pstride, const float *inv,
+                                                            int gb, int dv16, uint16_t *out, int dim) {
     __m512 acc[4 * 8];
 #pragma GCC unroll 16
     for (int i = 0; i < gb * dv16; ++i) acc[i] = _mm512_setzero_ps();
@@ -111,9 +139,12 @@ static inline __attribute__((always_inline)) void vp_values(const uint32_t *vp, 
                 acc[g * dv16 + c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[g * dv16 + c], ph[g], x), pl[g], x);
         }
     }
-    for (int g = 0; g < gb; ++g)
+    for (int g = 0; g < gb; ++g) {
+        const __m512 scale = _mm512_set1_ps(inv[g]);
         for (int c = 0; c < dv16; ++c)
-            _mm256_storeu_si256((__m256i *)(out + g * dim + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[g * dv16 + c]));
+            _mm256_storeu_si256((__m256i *)(out + g * dim + 16 * c),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g * dv16 + c], scale)));
+    }
 }
 
 static void prefill_item(const uint16_t *pool, const int64_t *pages, int64_t n, int64_t q_len,
@@ -144,7 +175,8 @@ static void prefill_item(const uint16_t *pool, const int64_t *pages, int64_t n, 
         const int64_t m = n - q_len + i + 1, mb = (m + 15) / 16;
         const uint16_t *qi = q + i * q_stride + h * G * dim;
         kt_scores(kt, mb, qi, G, pairs, scale, s, npad);
-        for (int64_t g = 0; g < G; ++g) softmax_to_pairs(s + g * npad, m, hi + g * npad, lo + g * npad);
+        float inv[16];   /* G <= MAX_GROUP (16): DEFINE_PREFILL refuses more */
+        for (int64_t g = 0; g < G; ++g) inv[g] = 1.f / softmax_to_pairs(s + g * npad, m, hi + g * npad, lo + g * npad);
         uint16_t *oi = out + i * out_stride + h * G * dim;
         const int64_t npairs = (m + 1) / 2;
         for (int64_t g0 = 0; g0 < G; g0 += gmax) {
@@ -152,15 +184,15 @@ static void prefill_item(const uint16_t *pool, const int64_t *pages, int64_t n, 
             const uint16_t *h = hi + g0 * npad, *l = lo + g0 * npad;
             if (dim == 64) {
                 switch (gb) {
-                case 1: vp_values(vp, npairs, h, l, npad, 1, 4, oi + g0 * dim, 64); break;
-                case 2: vp_values(vp, npairs, h, l, npad, 2, 4, oi + g0 * dim, 64); break;
-                case 3: vp_values(vp, npairs, h, l, npad, 3, 4, oi + g0 * dim, 64); break;
-                default: vp_values(vp, npairs, h, l, npad, 4, 4, oi + g0 * dim, 64); break;
+                case 1: vp_values(vp, npairs, h, l, npad, inv + g0, 1, 4, oi + g0 * dim, 64); break;
+                case 2: vp_values(vp, npairs, h, l, npad, inv + g0, 2, 4, oi + g0 * dim, 64); break;
+                case 3: vp_values(vp, npairs, h, l, npad, inv + g0, 3, 4, oi + g0 * dim, 64); break;
+                default: vp_values(vp, npairs, h, l, npad, inv + g0, 4, 4, oi + g0 * dim, 64); break;
                 }
             } else {
                 switch (gb) {
-                case 1: vp_values(vp, npairs, h, l, npad, 1, 8, oi + g0 * dim, 128); break;
-                default: vp_values(vp, npairs, h, l, npad, 2, 8, oi + g0 * dim, 128); break;
+                case 1: vp_values(vp, npairs, h, l, npad, inv + g0, 1, 8, oi + g0 * dim, 128); break;
+                default: vp_values(vp, npairs, h, l, npad, inv + g0, 2, 8, oi + g0 * dim, 128); break;
                 }
             }
         }
