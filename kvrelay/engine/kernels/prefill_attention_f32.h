@@ -67,16 +67,28 @@ static void pf_matmul(const float *a, int64_t lda, const float *b, int64_t ldb, 
     }
 }
 
-/* Row r of s [mr][ld] holds scores for keys [0, m0 + r + 1); the rest (up to width) become
- * probability 0 and the row is normalised. */
-static void pf_softmax_rows(float *s, int64_t ld, int mr, int64_t m0, int64_t width) {
+/* Row r of s [mr][ld] holds scores for keys [0, m0 + r + 1); they become the softmax's
+ * numerators exp(score - max) and the rest (up to width) 0; inv[r] gets 1 / their sum (the
+ * value sum is divided once, not every probability). Two passes a row: max, then exp and
+ * sum, on vectors (vexp), the tail past the last whole vector in scalar code. */
+static void pf_softmax_rows(float *s, int64_t ld, int mr, int64_t m0, int64_t width, float *inv) {
     for (int r = 0; r < mr; ++r) {
-        float *row = s + r * ld, mx = -INFINITY, sum = 0.f;
-        const int64_t m = m0 + r + 1;
-        for (int64_t t = 0; t < m; ++t) mx = row[t] > mx ? row[t] : mx;
-        for (int64_t t = 0; t < m; ++t) { row[t] = expf(row[t] - mx); sum += row[t]; }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < m; ++t) row[t] *= inv;
+        float *row = s + r * ld;
+        const int64_t m = m0 + r + 1, whole = m / V * V;
+        vf vmx = VSET1(-INFINITY);
+        for (int64_t t = 0; t < whole; t += V) vmx = VMAX(vmx, VLOADF(row + t));
+        float mx = vmaxall(vmx);
+        for (int64_t t = whole; t < m; ++t) mx = row[t] > mx ? row[t] : mx;
+        const vf vm = VSET1(mx);
+        vf vs = VZERO();
+        for (int64_t t = 0; t < whole; t += V) {
+            const vf e = vexp(VADD(VLOADF(row + t), VMUL(vm, VSET1(-1.f))));
+            VSTOREF(row + t, e);
+            vs = VADD(vs, e);
+        }
+        float sum = vsum(vs);
+        for (int64_t t = whole; t < m; ++t) { row[t] = expf(row[t] - mx); sum += row[t]; }
+        inv[r] = 1.f / sum;
         for (int64_t t = m; t < width; ++t) row[t] = 0.f;
     }
 }
@@ -119,11 +131,12 @@ static void NAME(const T *pool, const int64_t *pages, int64_t n, int64_t q_len, 
                 for (int64_t d = 0; d < dim; ++d)                                                \
                     qf[r * dim + d] = LOADQ(q + (i0 + r) * q_stride + (h * G + g) * dim + d);      \
             pf_matmul(qf, dim, kt, npad, dim, scale, s, npad, mr, width);                        \
-            pf_softmax_rows(s, npad, mr, m0, width);                                             \
+            float inv[PF_MR];                                                                    \
+            pf_softmax_rows(s, npad, mr, m0, width, inv);                                        \
             pf_matmul(s, npad, vv, dim, m0 + mr, 1.f, of, dim, mr, dim);                         \
             for (int r = 0; r < mr; ++r)                                                         \
                 for (int64_t d = 0; d < dim; ++d)                                                \
-                    out[(i0 + r) * out_stride + (h * G + g) * dim + d] = STOREQ(of[r * dim + d]);  \
+                    out[(i0 + r) * out_stride + (h * G + g) * dim + d] = STOREQ(of[r * dim + d] * inv[r]); \
         }                                                                                        \
 }
 

@@ -34,6 +34,7 @@ typedef __m512i vi;
 /* V bfloat16 at p as float32. */
 #define VLOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+static inline float vmaxall(vf v) { return _mm512_reduce_max_ps(v); }
 static inline void vstore_n(float *p, vf v, int cnt) {
     _mm512_mask_storeu_ps(p, (__mmask16)((1u << cnt) - 1u), v);
 }
@@ -61,6 +62,11 @@ static inline float vsum(vf v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline float vmaxall(vf v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 static inline void vstore_n(float *p, vf v, int cnt) {
     const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
