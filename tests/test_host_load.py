@@ -204,3 +204,53 @@ def test_an_engine_of_its_own_leaves_busy_cores_too(tiny_loaded):
         lambda leave: EngineCore(tiny_loaded, KVCacheConfig(page_size=16, max_kv_tokens=512),
                                  SchedulerConfig(leave_busy_cores=leave)),
         [(True, min(2, max(1, host_cores() - 1)), 2), (False, 2, 2)])
+
+
+def test_a_prompt_pass_begun_beside_a_burst_takes_the_core_back_between_layers(tiny_loaded):
+    """Without a core share, an engine that starts a prompt's pass while another process
+    keeps a core busy starts it on one thread; when that process stops, the pass goes on
+    on two from the next sample, read between layers, not at the next step. (A scripted
+    host and the engine's simulated clock: each layer takes a sample period.)"""
+    import torch
+
+    from kvrelay.core.clock import SimClock
+    from kvrelay.core.config import KVCacheConfig, SchedulerConfig
+    from kvrelay.engine.core import MID_STEP_PERIOD, EngineCore
+    from kvrelay.engine.types import GenerateRequest, SamplingParams
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        clock = SimClock()
+        core = EngineCore(tiny_loaded, KVCacheConfig(page_size=16, max_kv_tokens=512),
+                          SchedulerConfig(leave_busy_cores=True), clock=clock)
+        host = Host(pids=(os.getpid(),))
+        core._other_load = OtherLoad(lambda: list(host.cpu), cpus=[0, 1], clock=lambda: host.now,
+                                     busy=lambda cpus: host.busy, cpu=host.cpu.get)
+        core._other_load.cores_taken()
+        for _ in range(6):   # a neighbour on one core for 3 s
+            host.run(SAMPLE_PERIOD, ours=0.0, theirs=1.0)
+            core._other_load.cores_taken()
+        threads = []   # (on entering a layer boundary, after it)
+        inner = core.runner.between_layers
+
+        def layer(done: int) -> None:
+            host.run(SAMPLE_PERIOD, ours=float(torch.get_num_threads()), theirs=0.0)   # the neighbour stopped
+            clock.advance(MID_STEP_PERIOD)
+            entered = torch.get_num_threads()
+            inner(done)
+            threads.append((entered, torch.get_num_threads()))
+
+        core.runner.between_layers = layer
+        outs = []
+        core.add(GenerateRequest("r", tuple(range(3, 40)), SamplingParams(max_tokens=2, temperature=0.0)), outs.append)
+        core.step()   # the prompt's pass
+        assert threads, "the pass called between_layers"
+        assert threads[0] == (1, 2)   # begun on one thread (the neighbour's core), on two after the first layer
+        assert all(after == 2 for _, after in threads)
+        while core.has_work:
+            core.step()
+        assert outs[-1].finished
+        core.check_idle()
+    finally:
+        torch.set_num_threads(before)

@@ -335,6 +335,13 @@ class EngineCore:
         if now - self._mid_step_at < MID_STEP_PERIOD:
             return
         self._mid_step_at = now
+        if self._other_load is not None:
+            # A pass begun on fewer threads beside another process's burst (a client, the
+            # other server of an alternated benchmark) takes the core back within a sample
+            # of the burst's end, not at the next step: a 2,000-token prompt's one pass ran
+            # 3.3-3.5 s on one thread against 1.8-1.9 s on two, Zen 4. A burst that lasts
+            # takes a core mid-pass as it would at a step's start.
+            self._leave_busy_cores()
         try:
             self.hooks.between_layers(PassProgress(self._pass, layers))
             if self.serve_reads is not None:
@@ -374,8 +381,9 @@ class EngineCore:
             torch.set_num_threads(n)
 
     def _leave_busy_cores(self) -> None:
-        """Without a core share: run this step on the threads the engine started with, at
-        most the cores other processes leave free (`host_load`), one at least."""
+        """Without a core share: run this step (and, re-read between a prefill pass's layers,
+        the rest of the pass) on the threads the engine started with, at most the cores other
+        processes leave free (`host_load`), one at least."""
         n = min(self._threads, max(1, len(self._other_load.cpus) - self._other_load.cores_taken()))
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
