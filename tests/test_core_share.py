@@ -137,6 +137,32 @@ def test_an_engine_runs_each_step_on_its_part_of_the_cores(shared_engine):
     core.check_idle()
 
 
+def test_a_prompt_pass_takes_the_cores_another_engine_stops_using_between_layers(shared_engine):
+    """A prompt's pass begun while the other slot had work runs on its part of the cores;
+    once the other posts none, the pass re-reads its share after its next layer and goes on
+    on every core (posting nothing), not only from its next step."""
+    core, other = shared_engine
+    cores, outs, seen = host_cores(), [], []
+    inner = core.runner.between_layers
+
+    def layer(done: int) -> None:
+        other.post(False)   # the other engine's work ended while this pass computed
+        entered = torch.get_num_threads()
+        inner(done)
+        seen.append((entered, torch.get_num_threads()))
+
+    core.runner.between_layers = layer
+    other.post(True, 0)
+    core.add(GenerateRequest("r", tuple(range(3, 40)), SamplingParams(max_tokens=3, temperature=0.0)), outs.append)
+    core.step()   # the prompt's pass
+    assert seen and seen[0] == (cores // 2 + cores % 2, cores)
+    assert core.core_share.posts()[0].busy   # its own post is the step's: nothing re-posted mid-pass
+    while core.has_work:
+        core.step()
+    assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 3
+    core.check_idle()
+
+
 def test_an_engine_with_decodes_only_yields_for_the_prompt_step_under_way_then_steps_once(tmp_path):
     path, clock = str(tmp_path / "cores"), Clock()
     d = CoreShare(path, 0, cores=2, clock=clock, pid=1001, alive=lambda pid: True)

@@ -335,12 +335,17 @@ class EngineCore:
         if now - self._mid_step_at < MID_STEP_PERIOD:
             return
         self._mid_step_at = now
-        if self._other_load is not None:
-            # A pass begun on fewer threads beside another process's burst (a client, the
-            # other server of an alternated benchmark) takes the core back within a sample
-            # of the burst's end, not at the next step: a 2,000-token prompt's one pass ran
-            # 3.3-3.5 s on one thread against 1.8-1.9 s on two, Zen 4. A burst that lasts
-            # takes a core mid-pass as it would at a step's start.
+        # A pass begun on fewer threads beside another process's burst (a client, the other
+        # server of an alternated benchmark) takes the core back within a sample of the
+        # burst's end, not at the next step: a 2,000-token prompt's one pass ran 3.3-3.5 s on
+        # one thread against 1.8-1.9 s on two, Zen 4. A burst that lasts takes a core
+        # mid-pass as it would at a step's start; with a core share, so does another
+        # engine's step that began meanwhile.
+        if self.core_share is not None:
+            n = self.core_share.current_threads()
+            if n != torch.get_num_threads():
+                torch.set_num_threads(n)
+        elif self._other_load is not None:
             self._leave_busy_cores()
         try:
             self.hooks.between_layers(PassProgress(self._pass, layers))

@@ -37,7 +37,9 @@ Invariants:
 - Every engine runs on at least one thread, and the engines that posted work run on at most
   `cores` threads together, less the cores other processes keep busy (`host_load`; never
   below one thread each), counted from what each read before its own step; an engine in
-  the middle of a step keeps its count until the step ends (at most one step late).
+  the middle of a step keeps its count until the step ends (at most one step late), but
+  for a prefill pass, which re-reads it between layers (`EngineCore._between_layers`, at
+  most every MID_STEP_PERIOD; posting nothing).
 - A slot counts only while its process lives and runs: a dead, stopped (SIGSTOP, a
   debugger) or silent-for-STALE-seconds engine holds no cores.
 - The file is advisory: a torn or stale read changes a thread count, never a result.
