@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "exp2_avx512.h"
 #include "vec.h"
 
 #if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BF16__) && \
@@ -59,21 +60,6 @@ static PA_TARGET void pa_configure(void) {
 }
 
 static inline int64_t up32(int64_t n) { return (n + 31) & ~(int64_t)31; }
-
-/* 2^x for x <= 0: 2^round(x) times a degree-5 polynomial of the rest (|f| <= 1/2), within
- * 3.3e-6 relative: far inside the bfloat16 rounding (2^-9) that P gets. */
-static inline __m512 pa_exp2(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 y = _mm512_set1_ps(1.3333558e-3f);
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291e-3f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-2f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
-}
 
 /* Keys and values of kv head h of one sequence (n keys, n32 = up32(n)) into kp and vp. */
 static void pa_pack(const uint16_t *pool, const int64_t *pages, int64_t n, int64_t layer, int64_t L, int64_t H,
@@ -159,7 +145,7 @@ static PA_TARGET void pa_item(const uint16_t *q, int64_t q_stride, uint16_t *out
         for (; j < seen; j += 16) {
             const int64_t left = seen - j;
             const __mmask16 k = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-            const __m512 e = _mm512_maskz_mov_ps(k, pa_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(row + j), sc, top)));
+            const __m512 e = _mm512_maskz_mov_ps(k, exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(row + j), sc, top)));
             acc = _mm512_add_ps(acc, e);
             const __m256bh hi = _mm512_cvtneps_pbh(e);
             _mm256_storeu_si256((__m256i *)(p + j), (__m256i)hi);

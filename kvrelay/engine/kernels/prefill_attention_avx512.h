@@ -11,6 +11,7 @@
  */
 #ifndef KVRELAY_PREFILL_ATTENTION_AVX512_H
 #define KVRELAY_PREFILL_ATTENTION_AVX512_H
+#include "exp2_avx512.h"
 #ifdef KVRELAY_FAST_DECODE
 
 /* Scores of gh (<= 3) query heads against r (<= 8) 16-key blocks of kt starting at block
@@ -68,42 +69,24 @@ static void kt_scores(const uint32_t *kt, int64_t blocks, const uint16_t *q, int
     }
 }
 
-/* exp(x) for x <= 0, float32 to a few ulp: 2^(x log2 e) split into an integer n and f in
- * [-0.5, 0.5], 2^f from its degree-7 Taylor polynomial (error under 1e-8 there), and 2^n
- * applied by vscalefps (which underflows to 0). Inline, where the vectorized libm call
- * (libmvec's expf) cost a call per 16 scores. */
-static inline __attribute__((always_inline)) __m512 exp_nonpositive(__m512 x) {
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5252733804059841e-5f);                 /* ln2^7 / 7! */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381609e-4f));  /* ln2^6 / 6! */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* The softmax numerators of s[0, m), e[t] = exp(s[t] - max), as bfloat16 pairs split in two
  * so that hi + lo carries each to about 16 bits: hi[t / 2] holds (e[t], e[t + 1]) rounded,
  * lo the rest. (bf16 probabilities alone flip the default model's near-tie first token.)
  * Entries from m to the next multiple of 16 are 0 (the pair past an odd m carries 0 for
  * the key nobody may see); s must be readable that far. Returns the sum of the e[t]: the
  * value sum divides by it once at its end, not every probability here. Two passes: the
- * maximum, then exp, sum and split. */
+ * maximum, then exp (exp2_avx512.h), sum and split. */
 static inline float softmax_to_pairs(const float *s, int64_t m, uint16_t *hi, uint16_t *lo) {
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     int64_t t = 0;
     for (; t + 16 <= m; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
     if (t < m) vmax = _mm512_mask_max_ps(vmax, (__mmask16)((1u << (m - t)) - 1u), vmax, _mm512_loadu_ps(s + t));
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 top = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(vmax)), log2e);
     __m512 sum = _mm512_setzero_ps();
     for (t = 0; t < m; t += 16) {
         const __mmask16 keep = m - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (m - t)) - 1u);
-        const __m512 e = _mm512_maskz_mov_ps(keep, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), mx)));
+        const __m512 e = _mm512_maskz_mov_ps(keep, exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + t), log2e, top)));
         sum = _mm512_add_ps(sum, e);
         const __m256i h = (__m256i)_mm512_cvtneps_pbh(e);
         const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
