@@ -1,11 +1,13 @@
 /* The bfloat16 prefill-attention work item for CPUs with AVX-512 BF16 (paged_attention.c
- * holds the pool layout and the entry point). One item is one (sequence, kv head); its
- * keys and values are read from the pool once and re-laid out for vdpbf16ps:
+ * holds the pool layout and the entry point). One item is one (sequence, kv head) over a
+ * chunk of query rows (a run of them: prefill_plan.h); its keys and values are read from
+ * the pool once and re-laid out for vdpbf16ps:
  *   kt: keys transposed per 16-key block, kt[block][dim pair][key] (one 32-bit pair of
  *       dims per lane), so 16 scores come from D/2 dot-product steps with no reduction;
  *   vp: values interleaved per key pair, vp[key pair][dim][key % 2], so each step adds
  *       two keys' contributions; each probability goes in as two bfloat16 parts (hi + lo),
  *       which keeps it to about 16 bits.
+ * The G query heads of the kv head score together, three a pass.
  * Query row i of the item's q_len sees keys [0, n - q_len + i]. Scores and softmax are
  * float32. Needs the helpers of paged_attention_avx512.h.
  */

@@ -1,7 +1,8 @@
 /* The float32 prefill-attention work item for the AVX-512F and AVX2 builds (vec.h), for
  * float32 pools and for bfloat16 pools on CPUs without AVX-512 BF16 (widened on the copy
  * in). paged_attention.c holds the pool layout and the entry points. One item is one
- * (sequence, kv head); its keys and values are copied from the pool once, as float32:
+ * (sequence, kv head) over a chunk of query rows (a run of them: prefill_plan.h); its keys
+ * and values are copied from the pool once, as float32:
  *   kt: keys transposed, kt[dim][key] (npad keys a row, zero past n), so a block of
  *       scores is a register-blocked product q rows x kt with no horizontal sums;
  *   vv: values as they are, vv[key][dim].
