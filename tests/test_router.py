@@ -672,7 +672,9 @@ def test_workers_of_another_role_or_model_are_kept_out_refused_at_startup_and_re
             with router_records() as records:
                 await router.monitor.check_all()
             assert table.get(x_url).up and table.get(x_url).health.incarnation
-            assert [(r.getMessage(), r.worker) for r in records] == [("worker joined", x_url)]
+            # x_url's own records (on a loaded host another worker may also answer late: "worker slow")
+            assert [(r.getMessage(), r.worker) for r in records if r.worker == x_url] == [("worker joined", x_url)]
+            assert not [r for r in records if r.getMessage() == "worker down"]
             ledger = Ledger([fixed, d0])
             for i in range(4):
                 assert (await run(router, f"two-decode-workers-{i}"))[-1].finish_reason is FinishReason.LENGTH
