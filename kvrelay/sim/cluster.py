@@ -289,7 +289,10 @@ class SimWorkerAPI:
     async def health(self, url: str) -> WorkerHealth:
         await self._hop()
         w = self._reach(url)
-        await self._connected(w, url, self.cfg.health_timeout)
+        try:
+            await self._connected(w, url, self.cfg.health_timeout)
+        except LegFailure:   # as WorkerAPI.health: a connect that timed out is lateness
+            raise TimeoutError(f"{url}: ConnectTimeout") from None
         try:
             view = await w.engine.acall(lambda c: c.health(), timeout=self.cfg.health_timeout, readonly=True)
         except TimeoutError:
