@@ -132,15 +132,16 @@ def test_scales_travel_inside_the_page_bytes(kv_dtype):
 @pytest.mark.parametrize("kv_dtype", KV8)
 def test_native_decode_matches_dequantized_attention_on_every_variant(kv_dtype):
     """The 8-bit decode kernel against float32 attention over the dequantized pages, for
-    each variant this CPU runs (head dims 64, 128 and 20: the vector body and the scalar
-    tail); the torch variant has no kernel."""
+    each variant this CPU runs: head dims 64, 128, 80 and 20 (whole vectors, more chunks
+    than one value pass holds, a short last chunk), groups of 1 to 8 query heads (8: more
+    than one pass of heads); the torch variant has no kernel."""
     try:
         for variant in kernels.available_isas():
             kernels.select_isa(variant)
             k = paged_decode_q8()
             assert (k is None) == (variant == "torch")
             if k is not None:
-                for D, G, H, S in [(64, 3, 3, 16), (128, 2, 2, 4), (20, 4, 1, 3)]:
+                for D, G, H, S in [(64, 3, 3, 16), (128, 2, 2, 4), (20, 4, 1, 3), (80, 8, 2, 16), (64, 1, 2, 5)]:
                     _check_decode_kernel(k, kv_dtype, D, G, H, S)
     finally:
         kernels.select_isa("auto")
@@ -163,6 +164,11 @@ def _check_decode_kernel(k, kv_dtype, D, G, H, S):
         for h in range(H * G):
             probs = torch.softmax(keys[h // G, b, :n] @ q[b, h] * D ** -0.5, 0)
             assert torch.allclose(got[b, h], probs @ values[h // G, b, :n], atol=1e-5), (b, h)
+    # bfloat16 q in, bfloat16 out: the float32 result of the same q, rounded as torch rounds it.
+    qb = q.bfloat16()
+    got_b = k(pool.data, pool.scales, table, torch.tensor(lens), qb, 1, D ** -0.5)
+    assert got_b.dtype == torch.bfloat16
+    assert torch.equal(got_b, k(pool.data, pool.scales, table, torch.tensor(lens), qb.float(), 1, D ** -0.5).bfloat16())
 
 
 # ---- a tiny model over the 8-bit cache -----------------------------------------------------

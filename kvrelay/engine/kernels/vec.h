@@ -38,6 +38,15 @@ static inline float vmaxall(vf v) { return _mm512_reduce_max_ps(v); }
 static inline void vstore_n(float *p, vf v, int cnt) {
     _mm512_mask_storeu_ps(p, (__mmask16)((1u << cnt) - 1u), v);
 }
+/* [sum of a's lanes, b's, c's, d's]. */
+static inline __m128 vsum4(vf a, vf b, vf c, vf d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512d x = _mm512_castps_pd(ab), y = _mm512_castps_pd(cd);
+    const __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
 #else
 #define V 8
 typedef __m256 vf;
@@ -71,6 +80,13 @@ static inline float vmaxall(vf v) {
 static inline void vstore_n(float *p, vf v, int cnt) {
     const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     _mm256_maskstore_ps(p, m, v);
+}
+static inline __m128 vsum4(vf a, vf b, vf c, vf d) {
+    const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+    const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+    const __m256d x = _mm256_castps_pd(ab), y = _mm256_castps_pd(cd);
+    const __m256 u = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+    return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
 }
 #endif
 
