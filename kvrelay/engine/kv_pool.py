@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from kvrelay.core.kvlayout import KVLayout, KVRegion, host_address
+from kvrelay.engine.kernels.kv8_store import kv8_store
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV8_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -260,7 +261,13 @@ class QuantizedKVPool(KVPool):
               v: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """Quantize and store k, v [T, H, D] at `slot_ids` (from `slot_ids()`) of `layer`.
         Returns a function that gives them as the cache now holds them (dequantized, in the
-        compute dtype), for a pass that attends over its own keys without reading the pool."""
+        compute dtype), for a pass that attends over its own keys without reading the pool.
+        On the CPU the native store (`kernels.kv8_store`) quantizes, bit for bit as
+        `quantize`, and the function reads the slots back from the pool."""
+        store = kv8_store() if self.device.type == "cpu" else None
+        if store is not None and store.supports(k.dtype) and v.dtype == k.dtype:
+            store(self._bytes, self.layout, layer, slot_ids, k, v)
+            return lambda: self._read_slots(layer, slot_ids[0], slot_ids[1])
         pages, offsets = slot_ids
         q, scale = quantize(torch.stack((k, v), 1), self.layout.kv_dtype)    # [T, 2, H, D], [T, 2, H]
         at = (pages[:, None, None], self._kv[None, :, None], self._heads[None, None, :], offsets[:, None, None])
@@ -271,6 +278,13 @@ class QuantizedKVPool(KVPool):
             x = dequantize(q, scale, self.compute_dtype)
             return x[:, 0], x[:, 1]
         return held
+
+    def _read_slots(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [T, H, D] of `layer` at token slots (pages[t], offsets[t]), dequantized."""
+        at = (pages[:, None, None], self._kv[None, :, None], self._heads[None, None, :], offsets[:, None, None])
+        q = self._raw[:, layer][at].view(self.data.dtype)                  # [T, 2, H, D]
+        x = dequantize(q, self.scales[:, layer][at], self.compute_dtype)
+        return x[:, 0], x[:, 1]
 
     def store_target(self, layer: int):
         raise NotImplementedError("an 8-bit KV pool stores through write(), which quantizes")

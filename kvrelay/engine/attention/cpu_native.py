@@ -107,17 +107,23 @@ class CpuNativeBackend(AttentionBackend):
     def rope_and_store(self, qkv: torch.Tensor, layer: int,
                        meta: NativeMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One native pass, in place (q and k are views of qkv), where the pool holds the
-        compute dtype or, under float32, bfloat16. An 8-bit pool quantizes on store, and a
-        pass over its own fresh keys then reads them as the pool holds them (dequantized)."""
+        compute dtype or, under float32, bfloat16. An 8-bit pool is rotated in place the
+        same way (the same q and k as `apply_rope`, bit for bit), then quantized on store by
+        its `write`, and a pass over its own fresh keys then reads them as the pool holds
+        them (dequantized)."""
         hq, hkv = self.num_heads, self.num_kv_heads
         ew = elementwise()
-        if (ew is not None and ew.stores(qkv.dtype, self.kv.data.dtype) and ew.supports(qkv.dtype)
-                and qkv.shape[-1] <= ew.MAX_ROPE_DIM):
+        native = ew is not None and ew.supports(qkv.dtype) and qkv.shape[-1] <= ew.MAX_ROPE_DIM
+        if native and not self.kv.layout.quantized and ew.stores(qkv.dtype, self.kv.data.dtype):
             slots, k_base, v_off = self.kv.store_target(layer)
             ew.rope_(qkv, hq + hkv, meta.rope_table, meta.batch.positions,
                      (slots, meta.write_slots, hkv, k_base, v_off))
             return qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
-        q, k = apply_rope(qkv[:, :hq + hkv], meta.cos, meta.sin).split([hq, hkv], dim=1)
+        if native and self.kv.layout.quantized:
+            ew.rope_(qkv, hq + hkv, meta.rope_table, meta.batch.positions)
+            q, k = qkv[:, :hq], qkv[:, hq:hq + hkv]
+        else:
+            q, k = apply_rope(qkv[:, :hq + hkv], meta.cos, meta.sin).split([hq, hkv], dim=1)
         v = qkv[:, hq + hkv:]
         held = self.kv.write(layer, meta.write_slots, k, v)
         if held is not None and meta.batch.no_prefix:

@@ -110,7 +110,8 @@ void rope_bf16(uint16_t *x, const float *table, const int64_t *pos, int64_t rows
     }
 }
 
-/* rope_bf16 for float32 x, rounding nowhere (as the float32 torch ops); the slots hold TS:
+/* rope_bf16 for float32 x, rounding as the float32 torch ops (x * cos, then addcmul's one fma
+ * of rotate_half(x) * sin onto it: an explicit fmaf, never left to contraction); the slots hold TS:
  * float32, or bfloat16 (a float32 model's bfloat16 KV cache: SLOT_STORE rounds each key
  * and value once, as it is stored). */
 #define DEFINE_ROPE_F32(NAME, TS, SLOT_STORE)                                                      \
@@ -126,8 +127,8 @@ void NAME(float *x, const float *table, const int64_t *pos, int64_t rows, int64_
             float *v = row + h * dim;                                                             \
             for (int64_t d = 0; d < half; ++d) {                                                  \
                 const float a = v[d], b = v[d + half];                                            \
-                v[d] = a * c[d] - b * s[d];                                                       \
-                v[d + half] = b * c[d + half] + a * s[d + half];                                  \
+                v[d] = fmaf(-b, s[d], a * c[d]);                                                  \
+                v[d + half] = fmaf(a, s[d + half], b * c[d + half]);                              \
             }                                                                                     \
         }                                                                                         \
         if (slots) {                                                                              \

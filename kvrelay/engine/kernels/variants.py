@@ -54,7 +54,7 @@ FEATURE_NAMES = ("fma", "f16c", "avx2", "bmi2", "avx_vnni", "avx512f", "avx512dq
 # The sources every variant library is built from; kernel modules add theirs here.
 SOURCES: list[Path] = [HERE / n for n in ("paged_attention.c", "elementwise.c", "gemm_bf16.c", "gemm_amx.c",
                                           "gemm_wide.c", "gemm_quant.c", "paged_attention_q8.c",
-                                          "prefill_attention_amx.c")]
+                                          "prefill_attention_amx.c", "kv8_store.c")]
 
 
 class IsaUnavailable(ValueError):
