@@ -120,7 +120,9 @@ def test_native_store_writes_the_torch_bytes(variant, kv_dtype, dtype, D, T):
         else:
             k, v = x[:, :H].contiguous(), x[:, H:].contiguous()
         slot_ids = native.slot_ids(pages, offsets)
-        held.append((native.write(layer, slot_ids, k, v), torch_path(ref.write, layer, slot_ids, k, v)))
+        # layer 2 asks for held at the store (computed in C), layer 0 reads it back later
+        held.append((native.write(layer, slot_ids, k, v, held=layer == 2),
+                     torch_path(ref.write, layer, slot_ids, k, v)))
         writes.append((layer, pages, offsets))
     assert torch.equal(native._bytes, ref._bytes)
     touched = written_bytes(lay, n, writes)
@@ -191,6 +193,8 @@ def test_rope_and_store_over_an_8bit_pool_is_the_torch_path(variant, kv_dtype, d
             chunks.append(SeqChunk(list(range(n)), lens[b], pages[b]))
             lens[b] += n
         meta = attn.begin(build_forward_batch(chunks, S), table)
+        # a pass over its own keys takes the native prefill kernel (cpu_native._own_keys)
+        assert (meta.prefill is not None) == meta.batch.no_prefix
         for layer in range(2):
             qkv = torch.randn(sum(n for _, n in p), hq + 2 * hkv, D, generator=gen).to(dtype)
             q, k = apply_rope(qkv[:, :hq + hkv], meta.cos, meta.sin).split([hq, hkv], dim=1)

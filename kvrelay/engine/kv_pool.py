@@ -123,11 +123,12 @@ class KVPool:
         L, H = self.layout.num_layers, self.layout.num_kv_heads
         return ((page_table.flatten() * (L * 2 * H))[None, :] + self._heads[:, None]).flatten()
 
-    def write(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]] | None:
+    def write(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              held: bool = False) -> Callable[[], tuple[torch.Tensor, torch.Tensor]] | None:
         """Store k, v [T, H, D] at `slot_ids` (from `slot_ids()`) of `layer`. None: the cache
         holds them exactly; else a function that gives what it holds (rounded to a bfloat16
-        pool under float32 compute; an 8-bit pool's dequantized)."""
+        pool under float32 compute; an 8-bit pool's dequantized). `held`: the caller will
+        call that function (an 8-bit pool then computes it as it stores)."""
         slots, k_base, v_off = self.store_target(layer)
         D = self.layout.head_dim
         k_slots = slot_ids + k_base
@@ -257,16 +258,19 @@ class QuantizedKVPool(KVPool):
         """The read address of page_table [B, pages]: its page ids, flat."""
         return page_table.flatten()
 
-    def write(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    def write(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              held: bool = False) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """Quantize and store k, v [T, H, D] at `slot_ids` (from `slot_ids()`) of `layer`.
         Returns a function that gives them as the cache now holds them (dequantized, in the
         compute dtype), for a pass that attends over its own keys without reading the pool.
         On the CPU the native store (`kernels.kv8_store`) quantizes, bit for bit as
-        `quantize`, and the function reads the slots back from the pool."""
+        `quantize`, and (`held`) dequantizes what it stored, which the function returns;
+        without `held` the function reads the slots back from the pool."""
         store = kv8_store() if self.device.type == "cpu" else None
         if store is not None and store.supports(k.dtype) and v.dtype == k.dtype:
-            store(self._bytes, self.layout, layer, slot_ids, k, v)
+            x = store(self._bytes, self.layout, layer, slot_ids, k, v, held=held)
+            if x is not None:
+                return lambda: (x[:, 0], x[:, 1])
             return lambda: self._read_slots(layer, slot_ids[0], slot_ids[1])
         pages, offsets = slot_ids
         q, scale = quantize(torch.stack((k, v), 1), self.layout.kv_dtype)    # [T, 2, H, D], [T, 2, H]

@@ -70,10 +70,14 @@ class CpuNativeBackend(AttentionBackend):
         decode = max(batch.q_lens) == 1 and not batch.no_prefix
         L, dtype, group = self.kv.layout, self.kv.data.dtype, self.group
         compute = TORCH_DTYPES[L.dtype]   # the queries'; the pool may hold bfloat16 under float32
-        if L.quantized:  # 8-bit pool: its own decode kernel; other passes gather and dequantize
-            native, prefill = paged_decode_q8() if decode else None, None
+        if L.quantized:
+            # 8-bit pool: its own decode kernel; a pass over its own fresh keys the prefill
+            # kernel over them as the pool holds them (`_own_keys`); other passes gather and
+            # dequantize.
+            native = paged_decode_q8() if decode else None
             if native is not None and not native.supports(L.head_dim, group):
                 native = None
+            prefill = self._prefill_kernel(batch, compute, compute) if not decode and batch.no_prefix else None
         else:
             native = paged_decode() if decode else None
             if native is not None and not native.supports(dtype, L.head_dim, group, compute):
@@ -125,7 +129,7 @@ class CpuNativeBackend(AttentionBackend):
         else:
             q, k = apply_rope(qkv[:, :hq + hkv], meta.cos, meta.sin).split([hq, hkv], dim=1)
         v = qkv[:, hq + hkv:]
-        held = self.kv.write(layer, meta.write_slots, k, v)
+        held = self.kv.write(layer, meta.write_slots, k, v, held=meta.batch.no_prefix)
         if held is not None and meta.batch.no_prefix:
             k, v = held()
         return q, k, v
@@ -140,6 +144,8 @@ class CpuNativeBackend(AttentionBackend):
             out = meta.native(kv.data, b.page_table, meta.kv_lens, q, layer,
                               self.num_kv_heads, kv.layout.page_size, self.scale)
             return out.view(-1, Hq * D)
+        if meta.prefill is not None and kv.layout.quantized:
+            return self._own_keys(q, k, v, meta).view(-1, Hq * D)
         if meta.prefill is not None:  # every query row reads its keys from the pool
             out = meta.prefill(kv.data, b.page_table, meta.kv_lens, meta.q_lens, meta.q_rows, q, layer,
                                self.num_kv_heads, kv.layout.page_size, self.scale)
@@ -164,6 +170,18 @@ class CpuNativeBackend(AttentionBackend):
             queries.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal, enable_gqa=self.group != 1)
         out = out.transpose(1, 2).reshape(-1, Hq * D)                  # [B * max_q, Hq * D]
         return out[meta.row_slot]
+
+    def _own_keys(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: NativeMetadata) -> torch.Tensor:
+        """A pass over its own fresh keys only (`no_prefix`) on an 8-bit pool: k, v [T, Hkv, D]
+        as the pool holds them (dequantized), laid out as a pool of one layer with one page
+        per sequence, so the native prefill kernel reads them as it reads a bfloat16 pool."""
+        b = meta.batch
+        page = b.q_index.shape[1]
+        # [B, 1, 2, Hkv, page, D]: pages of one layer
+        pages = torch.stack((k[b.q_index], v[b.q_index]), 1).transpose(2, 3).unsqueeze(1).contiguous()
+        table = torch.arange(b.batch_size, dtype=torch.int64)[:, None]
+        return meta.prefill(pages, table, meta.kv_lens, meta.q_lens, meta.q_rows, q, 0, self.num_kv_heads, page,
+                            self.scale)
 
     def _prefix_then_chunk(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
         """One sequence's chunk q [m, Hq, D] after a cached prefix, keys/values [Hkv, >= n, D]:

@@ -5,7 +5,8 @@
  * kv8_store_bf16 / kv8_store_f32: for each row r < rows and kv head h < heads, the key
  * k[r * k_stride + h * dim ...] and the value v[r * v_stride + h * dim ...] (dim elements
  * each) are quantized, one scale per vector, into page pages[r], slot offsets[r] of `layer`.
- * Nothing else in the pool is written. Returns 0, or -1 (having written nothing) when some
+ * Nothing else in the pool is written; `held` (NULL: none), [rows][k|v][heads][dim] of T,
+ * gets what the pool now holds, dequantized as kv_pool.dequantize gives it. Returns 0, or -1 (having written nothing) when some
  * pages[r] is outside [0, num_pages) or offsets[r] outside [0, page_size).
  *
  * The result is bit for bit kvrelay.engine.kv_pool.quantize (torch) for finite inputs:
@@ -59,13 +60,28 @@ static inline uint8_t to_int8(float y) {
     return (uint8_t)(int8_t)(int)q;
 }
 
+/* The e4m3fn byte as float32, exactly (NaN never stored). */
+static inline float fp8_value(uint8_t b) {
+    const uint32_t em = b & 0x7Fu;
+    const float f = em >= 8 ? bits_f32(((em >> 3) + 120u) << 23 | (em & 7u) << 20)
+                            : (float)em * (1.0f / 512.0f);      /* subnormal: m * 2^-9 */
+    return b & 0x80u ? -f : f;
+}
+static inline uint16_t store_bf16(float f) {   /* round to nearest even, as torch's .to() */
+    const uint32_t u = f32_bits(f);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+static inline float store_f32(float f) { return f; }
+
 static inline uint8_t to_fp8(float y) {
     return fp8_e4m3fn(y > 448.f ? 448.f : (y < -448.f ? -448.f : y));
 }
 
-#define DEFINE_QUANTIZE(SUFFIX, T, LOAD)                                                      \
+/* held (NULL: none) <- what the pool now holds, dequantized: value * scale in T, as
+ * kv_pool.dequantize rounds it. */
+#define DEFINE_QUANTIZE(SUFFIX, T, LOAD, STORE)                                               \
 static inline void quantize_##SUFFIX(const T *restrict x, int64_t dim, int fp8, uint8_t *restrict out, \
-                                     float *restrict scale_out) {                         \
+                                     float *restrict scale_out, T *restrict held) {       \
     uint32_t top = 0;                                                                         \
     for (int64_t i = 0; i < dim; ++i) {                                                       \
         const uint32_t a = f32_bits(LOAD(x + i)) & 0x7FFFFFFFu;                               \
@@ -79,13 +95,17 @@ static inline void quantize_##SUFFIX(const T *restrict x, int64_t dim, int fp8, 
     } else {                                                                                  \
         for (int64_t i = 0; i < dim; ++i) out[i] = to_int8(LOAD(x + i) / scale);              \
     }                                                                                         \
+    if (held) {                                                                               \
+        for (int64_t i = 0; i < dim; ++i)                                                     \
+            held[i] = STORE((fp8 ? fp8_value(out[i]) : (float)(int8_t)out[i]) * scale);       \
+    }                                                                                         \
 }
 
 #define DEFINE_KV8_STORE(SUFFIX, T)                                                           \
 int kv8_store_##SUFFIX(const T *k, const T *v, int64_t k_stride, int64_t v_stride, int64_t rows, \
                        int64_t heads, int64_t dim, uint8_t *pool, int64_t num_pages, int64_t page_bytes, \
                        int64_t scales_offset, const int64_t *pages, const int64_t *offsets, int64_t layer, \
-                       int64_t page_size, int64_t fp8) {                                      \
+                       int64_t page_size, int64_t fp8, T *held) {                             \
     for (int64_t r = 0; r < rows; ++r) {                                                      \
         if (pages[r] < 0 || pages[r] >= num_pages || offsets[r] < 0 || offsets[r] >= page_size) \
             return -1;                                                                        \
@@ -98,15 +118,16 @@ int kv8_store_##SUFFIX(const T *k, const T *v, int64_t k_stride, int64_t v_strid
             const T *src = c ? v + r * v_stride : k + r * k_stride;                           \
             for (int64_t h = 0; h < heads; ++h) {                                             \
                 const int64_t vec = ((layer * 2 + c) * heads + h) * page_size + offsets[r];   \
-                quantize_##SUFFIX(src + h * dim, dim, (int)fp8, page + vec * dim, scales + vec); \
+                quantize_##SUFFIX(src + h * dim, dim, (int)fp8, page + vec * dim, scales + vec,   \
+                                  held ? held + ((r * 2 + c) * heads + h) * dim : NULL);       \
             }                                                                                 \
         }                                                                                     \
     }                                                                                         \
     return 0;                                                                                 \
 }
 
-DEFINE_QUANTIZE(bf16, uint16_t, load_bf16)
-DEFINE_QUANTIZE(f32, float, load_f32)
+DEFINE_QUANTIZE(bf16, uint16_t, load_bf16, store_bf16)
+DEFINE_QUANTIZE(f32, float, load_f32, store_f32)
 DEFINE_KV8_STORE(bf16, uint16_t)
 DEFINE_KV8_STORE(f32, float)
 

@@ -23,20 +23,21 @@ class KV8Store:
         self._fns = {torch.bfloat16: lib.kv8_store_bf16, torch.float32: lib.kv8_store_f32}
         for fn in self._fns.values():
             fn.restype = ctypes.c_int
-            fn.argtypes = [_P, _P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64]
+            fn.argtypes = [_P, _P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _P]
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._fns
 
     def __call__(self, pool: torch.Tensor, layout: KVLayout, layer: int, slots: torch.Tensor,
-                 k: torch.Tensor, v: torch.Tensor) -> None:
+                 k: torch.Tensor, v: torch.Tensor, held: bool = False) -> torch.Tensor | None:
         """Store k, v [T, H, D] (one dtype `supports`) at token slots slots[:, t] = (page,
         offset) ([2, T] integers: `QuantizedKVPool.slot_ids`) of `layer`, quantized as
         `kv_pool.quantize(x, layout.kv_dtype)` gives them, bit for bit (values finite): the
         8-bit values and the float32 scale of every (token, K|V, head) vector. `pool` is
         the whole pool's bytes (uint8, CPU, contiguous, whole pages of `layout`); no other
         byte of it is written. Rows of k and v may be strided (views of one qkv tensor); a
-        slot outside the pool raises IndexError and writes nothing."""
+        slot outside the pool raises IndexError and writes nothing. `held`: also return
+        what the pool now holds, [T, 2, H, D] in k's dtype, as `kv_pool.dequantize` gives it."""
         T, H, D = k.shape
         assert layout.quantized and H == layout.num_kv_heads and D == layout.head_dim and v.shape == k.shape
         assert k.dtype == v.dtype and 0 <= layer < layout.num_layers
@@ -49,12 +50,15 @@ class KV8Store:
             slots = slots.to(torch.int64).contiguous()
         assert slots.shape == (2, T)
         page_bytes, pages = layout.page_bytes, slots.data_ptr()
+        out = torch.empty(T, 2, H, D, dtype=k.dtype) if held else None
         rc = self._fns[k.dtype](k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), T, H, D, pool.data_ptr(),
                                 pool.numel() // page_bytes, page_bytes, layout.scales_offset, pages, pages + 8 * T,
-                                layer, layout.page_size, int(layout.kv_dtype == "fp8_e4m3"))
+                                layer, layout.page_size, int(layout.kv_dtype == "fp8_e4m3"),
+                                None if out is None else out.data_ptr())
         if rc != 0:
             raise IndexError(f"a K/V slot outside the pool's {pool.numel() // page_bytes} pages "
                              f"of {layout.page_size} slots")
+        return out
 
 
 @per_isa
