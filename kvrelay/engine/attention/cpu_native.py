@@ -71,13 +71,12 @@ class CpuNativeBackend(AttentionBackend):
         L, dtype, group = self.kv.layout, self.kv.data.dtype, self.group
         compute = TORCH_DTYPES[L.dtype]   # the queries'; the pool may hold bfloat16 under float32
         if L.quantized:
-            # 8-bit pool: its own decode kernel; a pass over its own fresh keys the prefill
-            # kernel over them as the pool holds them (`_own_keys`); other passes gather and
-            # dequantize.
+            # 8-bit pool: its own decode kernel; every other pass the prefill kernel over its
+            # keys as the pool holds them, dequantized into pages of one layer (`_held_pages`).
             native = paged_decode_q8() if decode else None
             if native is not None and not native.supports(L.head_dim, group):
                 native = None
-            prefill = self._prefill_kernel(batch, compute, compute) if not decode and batch.no_prefix else None
+            prefill = self._prefill_kernel(batch, compute, compute) if not decode else None
         else:
             native = paged_decode() if decode else None
             if native is not None and not native.supports(dtype, L.head_dim, group, compute):
@@ -93,7 +92,7 @@ class CpuNativeBackend(AttentionBackend):
             **self.common(batch, rope), rope_table=rope, native=native, prefill=prefill,
             kv_lens=torch.tensor(batch.kv_lens, dtype=torch.int64), q_lens=q_lens,
             q_rows=torch.cumsum(q_lens, 0) - q_lens, row_slot=row_slot(batch),
-            read_rows=self.kv.row_ids(batch.page_table) if gathered else None,
+            read_rows=self.kv.row_ids(batch.page_table) if gathered or (L.quantized and prefill is not None) else None,
             mask=mask, masked_out=None if mask is None else ~mask)
 
     def _prefill_kernel(self, batch: ForwardBatch, dtype: torch.dtype, compute: torch.dtype) -> PagedPrefill | None:
@@ -145,7 +144,10 @@ class CpuNativeBackend(AttentionBackend):
                               self.num_kv_heads, kv.layout.page_size, self.scale)
             return out.view(-1, Hq * D)
         if meta.prefill is not None and kv.layout.quantized:
-            return self._own_keys(q, k, v, meta).view(-1, Hq * D)
+            pages, page = self._held_pages(k, v, layer, meta)
+            out = meta.prefill(pages, torch.arange(b.batch_size, dtype=torch.int64)[:, None], meta.kv_lens,
+                               meta.q_lens, meta.q_rows, q, 0, self.num_kv_heads, page, self.scale)
+            return out.view(-1, Hq * D)
         if meta.prefill is not None:  # every query row reads its keys from the pool
             out = meta.prefill(kv.data, b.page_table, meta.kv_lens, meta.q_lens, meta.q_rows, q, layer,
                                self.num_kv_heads, kv.layout.page_size, self.scale)
@@ -171,17 +173,19 @@ class CpuNativeBackend(AttentionBackend):
         out = out.transpose(1, 2).reshape(-1, Hq * D)                  # [B * max_q, Hq * D]
         return out[meta.row_slot]
 
-    def _own_keys(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: NativeMetadata) -> torch.Tensor:
-        """A pass over its own fresh keys only (`no_prefix`) on an 8-bit pool: k, v [T, Hkv, D]
-        as the pool holds them (dequantized), laid out as a pool of one layer with one page
-        per sequence, so the native prefill kernel reads them as it reads a bfloat16 pool."""
+    def _held_pages(self, k: torch.Tensor, v: torch.Tensor, layer: int,
+                    meta: NativeMetadata) -> tuple[torch.Tensor, int]:
+        """A pass's keys and values on an 8-bit pool as it holds them, dequantized, laid out as
+        a pool of one layer with one page per sequence, [B, 1, 2, Hkv, page, D], and that
+        page's size: a pass over its own fresh keys only (`no_prefix`) takes k, v [T, Hkv, D]
+        (what the store held); any other reads its pages back from the pool."""
         b = meta.batch
-        page = b.q_index.shape[1]
-        # [B, 1, 2, Hkv, page, D]: pages of one layer
-        pages = torch.stack((k[b.q_index], v[b.q_index]), 1).transpose(2, 3).unsqueeze(1).contiguous()
-        table = torch.arange(b.batch_size, dtype=torch.int64)[:, None]
-        return meta.prefill(pages, table, meta.kv_lens, meta.q_lens, meta.q_rows, q, 0, self.num_kv_heads, page,
-                            self.scale)
+        if b.no_prefix:
+            pages = torch.stack((k[b.q_index], v[b.q_index]), 1).transpose(2, 3)    # [B, 2, Hkv, max_q, D]
+        else:
+            keys, values = self.kv.gather(layer, meta.read_rows, b.batch_size)     # [Hkv, B, P * S, D] each
+            pages = torch.stack((keys, values), 0).transpose(0, 2).transpose(1, 2)  # [B, 2, Hkv, P * S, D]
+        return pages.unsqueeze(1).contiguous(), pages.shape[3]
 
     def _prefix_then_chunk(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
         """One sequence's chunk q [m, Hq, D] after a cached prefix, keys/values [Hkv, >= n, D]:
