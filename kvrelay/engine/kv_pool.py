@@ -278,10 +278,10 @@ class QuantizedKVPool(KVPool):
         self._raw[:, layer].index_put_(at, q.view(torch.uint8))
         self.scales[:, layer].index_put_(at, scale)
 
-        def held() -> tuple[torch.Tensor, torch.Tensor]:
+        def stored() -> tuple[torch.Tensor, torch.Tensor]:
             x = dequantize(q, scale, self.compute_dtype)
             return x[:, 0], x[:, 1]
-        return held
+        return stored
 
     def _read_slots(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [T, H, D] of `layer` at token slots (pages[t], offsets[t]), dequantized."""

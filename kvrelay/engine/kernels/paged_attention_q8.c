@@ -17,9 +17,10 @@
  * so 256 joins the query (keys) and the probabilities (values). NaN (0x7f, 0xff) is never
  * stored: the quantizer clamps to 448.
  * Pages are scattered, which the hardware prefetcher does not follow: walking the keys,
- * each page asks for the keys and key scales Q8_AHEAD pages on (into L1) and for its own
- * values and value scales (into L2, read by the value pass that follows); the value pass
- * asks for the next item's keys (into L2).
+ * each key asks for the key in its slot Q8_AHEAD pages on (into L1) and for its own value
+ * (into L2, read by the value pass that follows), one row each: a page's rows asked at once
+ * queue behind the core's miss buffers and stall the loads behind them. The value pass
+ * asks for the next item's keys (into L2) the same way, spread over its rows.
  * q and out are float32, or bfloat16 when `bf16` (out rounded to nearest even, as torch).
  */
 #include <math.h>
