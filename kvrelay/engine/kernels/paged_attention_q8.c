@@ -244,6 +244,10 @@ static inline __attribute__((always_inline)) void q8_heads(const q8_span *x, con
 static inline __attribute__((always_inline)) void q8_passes(const q8_span *x, const float *qf, float *sg,
                                                             int64_t stride, float *res, int64_t G, const int fp8,
                                                             const int dc) {
+    if (dc == 0) {   /* other head dims: one head a pass, so fewer copies to compile */
+        for (int64_t g0 = 0; g0 < G; ++g0) q8_heads(x, qf, sg, stride, res, g0, G, 1, fp8, 0);
+        return;
+    }
     for (int64_t g0 = 0; g0 < G; g0 += Q8_GB) {
         switch (G - g0 < Q8_GB ? G - g0 : Q8_GB) {
         case 1: q8_heads(x, qf, sg, stride, res, g0, G, 1, fp8, dc); break;
