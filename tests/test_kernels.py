@@ -196,6 +196,37 @@ def test_native_gemm_matches_float32_matmul(M, N, K, bias):
     assert exact.dtype == torch.float32 and torch.allclose(exact, want, rtol=1e-5, atol=1e-4)
 
 
+def test_native_gemm_split_among_more_threads_than_cores_gives_the_one_thread_result():
+    """Every column group is computed once, by one thread, whichever thread takes it
+    (gemm_bf16.c steals units of groups from a preempted thread's part): with 4 threads on
+    this machine's cores the result equals the one-thread result bit for bit, row counts
+    of one tile, of several and of a short last one."""
+    g = kernels.gemm()
+    assert (g is not None) == HAS_AVX512_BF16
+    if g is None:
+        return
+    gen = torch.Generator().manual_seed(15)
+    cases = [(torch.randn(M, K, generator=gen).bfloat16(), torch.randn(N, K, generator=gen).bfloat16(), N)
+             for M, N, K in [(32, 4096, 576), (1, 1000, 64), (13, 3072, 96)]]
+    packed = [g.pack(w) for _, w, _ in cases]
+    bias = torch.randn(4096, generator=gen)
+
+    def run():
+        return [g(x, p, n, bias[:n], out_dtype=dt) for (x, _, n), p in zip(cases, packed)
+                for dt in (torch.bfloat16, torch.float32)]
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = run()
+        torch.set_num_threads(4)
+        for _ in range(20):
+            for got, ref in zip(run(), want):
+                assert torch.equal(got, ref)
+    finally:
+        torch.set_num_threads(before)
+
+
 # Row counts on both sides of the tiles' 16 and the kernel's 32-row blocks, column counts
 # that leave half a tile pair and a partial block, K from one tile step to many.
 @pytest.mark.parametrize("M,N,K,bias", [(32, 960, 576, False), (1, 576, 1536, True), (17, 37, 64, True),

@@ -17,9 +17,11 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "worksteal.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
+#include <omp.h>
 
 int gemm_bf16_available(void) { return 1; }
 
@@ -102,20 +104,38 @@ static void tile_any(const uint16_t *x, int64_t K, const uint16_t *packed, int64
     }
 }
 
+/* Work a stolen unit of column groups holds, in flops (a 32-row decode step: one group
+ * of K = 1,536, three of K = 576), and the threads that stealing keeps words for. */
+#define UNIT_FLOPS 4000000
+#define WORDS WS_MAX_THREADS
+
 /* out [M][N] (row-major), bfloat16 or, when f32, the float32 sums unrounded; bias float32
- * [N] or NULL. Column groups of NB_MAX blocks are spread over torch's OpenMP team; each
- * thread runs every row block over its columns. */
+ * [N] or NULL. Column groups of NB_MAX blocks are cut into one contiguous part per thread
+ * of torch's OpenMP team; each thread runs every row block over a unit of groups, then
+ * its part's next unit, then units from the backs of the others' (worksteal.h: a thread
+ * preempted by the router or the client no longer holds the whole call up). Each column
+ * is computed by one thread whatever the schedule, so the result is the same bits. */
 void gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
                const float *bias, void *out, int f32) {
     const int64_t kp = (K + 1) / 2, nblocks = (N + 15) / 16, groups = (nblocks + NB_MAX - 1) / NB_MAX;
-    _Pragma("omp parallel for schedule(static) if(groups > 1)")
-    for (int64_t g = 0; g < groups; ++g) {
-        const int64_t b0 = g * NB_MAX;
-        const int nb = (int)(nblocks - b0 < NB_MAX ? nblocks - b0 : NB_MAX);
-        for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
-            const int mr = (int)(M - m0 < MR_MAX ? M - m0 : MR_MAX);
-            tile_any(x, K, packed, kp, b0, bias, N, out, f32, m0, mr, nb);
-        }
+    int64_t unit = UNIT_FLOPS / (2 * M * K * 16 * NB_MAX);
+    if (unit < 1) unit = 1;
+    uint64_t words[WORDS];
+    const int64_t team = ws_team(), stealing = team > 0;
+    if (stealing) ws_init(words, groups, team, unit);
+    _Pragma("omp parallel if(groups > 1)")
+    {
+        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads(), steal = stealing && T == team;
+        int64_t cursor = 0, lo, hi;
+        while (ws_next(words, steal, groups, t, T, unit, &cursor, &lo, &hi))
+            for (int64_t g = lo; g < hi; ++g) {
+                const int64_t b0 = g * NB_MAX;
+                const int nb = (int)(nblocks - b0 < NB_MAX ? nblocks - b0 : NB_MAX);
+                for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+                    const int mr = (int)(M - m0 < MR_MAX ? M - m0 : MR_MAX);
+                    tile_any(x, K, packed, kp, b0, bias, N, out, f32, m0, mr, nb);
+                }
+            }
     }
 }
 #else

@@ -109,6 +109,10 @@ class LlamaForCausalLM(CausalLM):
                 after_layer(done)
         rows = batch.logits_index
         h, _ = self.model.norm.add_and_norm(h[rows], delta[rows])
+        return self.head_logits(h)
+
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, vocab] of final-normed hidden states `h`."""
         head = self.lm_head
         quant = self._head_quant if head is None else head.quant
         if quant is not None:
