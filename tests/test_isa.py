@@ -93,6 +93,47 @@ def test_unknown_variant_is_refused_with_the_choices():
         kernels.select_isa("sse2")
 
 
+@pytest.fixture
+def compilers(tmp_path, monkeypatch):
+    """A bin folder holding a fake clang (it answers -dM -E as clang does and builds
+    nothing), searched first; the compiler choice is made afresh."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    clang = bin_dir / "clang"
+    clang.write_text("#!/bin/sh\n[ \"$1\" = -dM ] && printf '#define __GNUC__ 4\\n#define __clang__ 1\\n' && exit 0\n"
+                     "echo 'clang: no omp.h' >&2; exit 1\n")
+    clang.chmod(0o755)
+    monkeypatch.setenv("KVRELAY_CACHE", str(tmp_path / "cache"))
+    isa_mod._compiler.cache_clear()
+    yield bin_dir
+    isa_mod._compiler.cache_clear()
+
+
+def test_kernels_are_built_with_gcc_even_where_cc_names_clang(compilers, monkeypatch, caplog):
+    """clang's OpenMP is another runtime than torch's libgomp: with CC=clang and GCC on the
+    PATH, GCC builds the kernels (and the log says why)."""
+    gcc = isa_mod.shutil.which("gcc")
+    assert gcc is not None and isa_mod._is_gcc(gcc), "GCC is part of the supported setup"
+    assert not isa_mod._is_gcc(str(compilers / "clang"))
+    monkeypatch.setenv("PATH", f"{compilers}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CC", "clang")
+    with caplog.at_level("INFO", logger="kvrelay.kernels"):
+        assert isa_mod._compiler() == gcc
+    assert "CC=clang is not GCC" in caplog.text
+    built = isa_mod._compile("cpu-features", [isa_mod.HERE / "cpu_features.c"], ("-O2", "-fPIC", "-shared"))
+    assert built is not None and built.exists() and str(built).startswith(str(compilers.parent / "cache"))
+
+
+def test_without_gcc_the_torch_fallbacks_run_and_the_log_says_to_install_it(compilers, monkeypatch, caplog):
+    monkeypatch.setenv("PATH", str(compilers))   # the fake clang alone
+    monkeypatch.setenv("CC", "clang")
+    with caplog.at_level("WARNING", logger="kvrelay.kernels"):
+        assert isa_mod._compiler() is None
+        assert isa_mod._compile("cpu-features", [isa_mod.HERE / "cpu_features.c"], ("-O2", "-fPIC", "-shared")) is None
+    assert "no GCC found (only " in caplog.text and "install gcc" in caplog.text
+    assert not (compilers.parent / "cache").exists() or not any((compilers.parent / "cache").rglob("*.so"))
+
+
 def _tiny(tiny_llama_dir, **kw):
     return load_model(ModelOptions(model=f"random:{tiny_llama_dir}", seed=0, **kw))
 

@@ -24,12 +24,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__clang__)
-#pragma float_control(precise, on, push)
-#elif defined(__GNUC__)
+/* GCC builds every kernel (variants._compiler: they run on torch's libgomp). */
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
-#endif
 
 static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, sizeof u); return u; }
 static inline float bits_f32(uint32_t u) { float f; memcpy(&f, &u, sizeof f); return f; }
@@ -131,8 +128,4 @@ DEFINE_QUANTIZE(f32, float, load_f32, store_f32)
 DEFINE_KV8_STORE(bf16, uint16_t)
 DEFINE_KV8_STORE(f32, float)
 
-#if defined(__clang__)
-#pragma float_control(pop)
-#elif defined(__GNUC__)
 #pragma GCC pop_options
-#endif

@@ -4,7 +4,7 @@ Every kernel source is compiled once per variant, with that variant's instructio
 flags and never `-march=native`, into its own shared library in a per-user cache. The CPU's
 features are read with cpuid (`cpu_features.c`, built without any instruction-set flag),
 and the best variant whose features are all present is loaded. A CPU with none of them,
-no C compiler, a failed build or `KVRELAY_NATIVE=0` runs the torch fallbacks ("torch").
+no GCC (`_compiler`), a failed build or `KVRELAY_NATIVE=0` runs the torch fallbacks ("torch").
 
 Invariants:
 - a variant is loaded only when `missing(variant)` is empty: a forced variant the CPU
@@ -65,8 +65,34 @@ def cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
+def _is_gcc(cc: str) -> bool:
+    """Whether `cc` is GCC (clang defines __GNUC__ too, and __clang__)."""
+    try:
+        proc = subprocess.run([cc, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    macros = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("#define ")}
+    return proc.returncode == 0 and "__GNUC__" in macros and not macros & {"__clang__", "__INTEL_COMPILER"}
+
+
+@lru_cache(maxsize=1)
 def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    """The first GCC among $CC, gcc and cc. The kernels run inside torch's OpenMP team,
+    which is GCC's runtime (libgomp): clang's -fopenmp emits calls to LLVM's runtime, whose
+    second team of threads would spin beside torch's on the same cores, and which ignores
+    torch.set_num_threads. None (and the reason logged) when there is no GCC."""
+    named = os.environ.get("CC")
+    found = [p for p in dict.fromkeys(shutil.which(c) for c in (named, "gcc", "cc") if c) if p]
+    for cc in found:
+        if _is_gcc(cc):
+            if named and shutil.which(named) != cc:
+                log.info("CC=%s is not GCC: building the kernels with %s (they share torch's OpenMP runtime, "
+                         "libgomp)", named, cc)
+            return cc
+    log.warning("no GCC found%s: the native kernels share torch's OpenMP runtime (libgomp), which only GCC "
+                "targets; install gcc for them. Using the torch fallbacks",
+                f" (only {', '.join(found)})" if found else "")
+    return None
 
 
 def _compile(name: str, sources: list[Path], flags: tuple[str, ...]) -> Path | None:
@@ -74,7 +100,6 @@ def _compile(name: str, sources: list[Path], flags: tuple[str, ...]) -> Path | N
     cannot be built (the reason is logged once)."""
     cc = _compiler()
     if cc is None:
-        log.warning("no C compiler found: using the torch fallbacks")
         return None
     headers = sorted(HERE.glob("*.h"))
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in [*sources, *headers])
@@ -168,7 +193,7 @@ def _resolve(name: str) -> str:
                              f"it can run {', '.join(available_isas())}")
     if _load(name) is None:
         raise IsaUnavailable(f"--kernels {name}: the kernels could not be built (see the log); "
-                             "use --kernels torch or install a C compiler")
+                             "use --kernels torch or install gcc")
     return name
 
 
