@@ -79,6 +79,8 @@ def test_a_cpu_with_none_of_them_runs_the_torch_fallbacks(monkeypatch):
     monkeypatch.setattr(isa_mod, "cpu_features", lambda: frozenset({"fma"}))
     assert kernels.available_isas() == ("torch",)
     assert kernels.select_isa("auto") == "torch" and kernels.elementwise() is None
+    assert kernels.fallback_reason() == "this CPU has neither AVX2 with FMA nor AVX-512"
+    assert kernels.select_isa("torch") == "torch" and kernels.fallback_reason() is None   # asked for: no reason
 
 
 def test_environment_names_the_variant_auto_means(monkeypatch):
@@ -132,6 +134,13 @@ def test_without_gcc_the_torch_fallbacks_run_and_the_log_says_to_install_it(comp
         assert isa_mod._compile("cpu-features", [isa_mod.HERE / "cpu_features.c"], ("-O2", "-fPIC", "-shared")) is None
     assert "no GCC found (only " in caplog.text and "install gcc" in caplog.text
     assert not (compilers.parent / "cache").exists() or not any((compilers.parent / "cache").rglob("*.so"))
+    monkeypatch.setattr(isa_mod, "_libs", {})   # nothing built before in this process either
+    assert kernels.select_isa("auto") == "torch"
+    note = kernels.fallback_reason()
+    assert note == "no GCC found: install gcc for the native kernels"
+    info = {"device": "cpu", "kernels": "torch", "dtype": "float32", "weights": "bf16", "kv_cache": "bfloat16",
+            "attention": "torch_ref"}
+    assert f"kernels torch ({note})," in startup_line("colocated", info, "m", 64, "http://x", note)
 
 
 def _tiny(tiny_llama_dir, **kw):

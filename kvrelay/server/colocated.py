@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.engine.core import EngineCore
+from kvrelay.engine import kernels
 from kvrelay.engine.engine import AsyncEngine
 from kvrelay.engine.loader import load_model
 from kvrelay.obs.metrics import ServingMetrics
@@ -39,7 +40,8 @@ def serve_colocated(config: KVRelayConfig) -> None:
     app = colocated_app(engine, gate, config.server.allowed_origins)
     srv = config.server
     print(startup_line("colocated", engine.core.compute_info(), engine.core.loaded.name,
-                       engine.core.capacity_tokens, serving_url(srv, config.security)), flush=True)
+                       engine.core.capacity_tokens, serving_url(srv, config.security), kernels.fallback_reason()),
+          flush=True)
     try:
         run_uvicorn(app, srv, config.security)
     finally:

@@ -21,6 +21,7 @@ from kvrelay.disagg.decode_worker import DecodeCore
 from kvrelay.disagg.faults import FaultSpec
 from kvrelay.disagg.prefill_worker import PrefillCore
 from kvrelay.disagg.worker_core import WorkerCore
+from kvrelay.engine import kernels
 from kvrelay.engine.engine import AsyncEngine
 from kvrelay.engine.loader import load_model
 from kvrelay.engine.types import FinishReason, GenerateRequest, RequestRejected, StepOutput
@@ -155,7 +156,7 @@ def serve_worker(config: KVRelayConfig, role: str) -> None:
     core = engine.core
     srv = config.server
     print(startup_line(role, core.engine.compute_info(), core.loaded.name,
-                       core.engine.capacity_tokens, serving_url(srv, config.security))
+                       core.engine.capacity_tokens, serving_url(srv, config.security), kernels.fallback_reason())
           + f", transfer {core.manager.name} at {core.manager.address}", flush=True)
     app = worker_app(engine, metrics, config.transfer.enable_fault_injection, worker_gate(key, config.security))
     try:

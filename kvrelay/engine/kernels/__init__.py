@@ -11,8 +11,8 @@ from functools import lru_cache
 import torch
 
 from kvrelay.engine.kernels.variants import (  # noqa: F401  (the kernels' public API)
-    SOURCES, IsaUnavailable, available_isas, cache_dir, cpu_features, isa, missing, native_library, per_isa,
-    requested, select_isa)
+    SOURCES, IsaUnavailable, available_isas, cache_dir, cpu_features, fallback_reason, isa, missing, native_library,
+    per_isa, requested, select_isa)
 
 _I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 

@@ -153,6 +153,7 @@ def available_isas() -> tuple[str, ...]:
 
 _lock = threading.Lock()
 _chosen: str | None = None
+_fallback: str | None = None   # fallback_reason()
 _libs: dict[str, ctypes.CDLL | None] = {}
 _factories: list[Callable] = []
 T = TypeVar("T")
@@ -197,13 +198,30 @@ def _resolve(name: str) -> str:
     return name
 
 
+def fallback_reason() -> str | None:
+    """Why the torch fallbacks run where `auto` chose them, in a few words a start-up line
+    can carry; None when a native variant runs or torch was asked for."""
+    return _fallback
+
+
+def _torch_reason() -> str:
+    if _compiler() is None:
+        return "no GCC found: install gcc for the native kernels"
+    if not cpu_features():
+        return "this CPU's features could not be read (see the log)"
+    if len(available_isas()) == 1:
+        return "this CPU has neither AVX2 with FMA nor AVX-512"
+    return "the native kernels failed to build (see the log)"
+
+
 def select_isa(name: str) -> str:
     """Switch the variant every kernel factory returns from now on ("auto": the best this
     CPU runs). Returns the variant chosen. Models built before keep their packed weights:
     build them again after switching."""
-    global _chosen
+    global _chosen, _fallback
     with _lock:
         chosen = _resolve(name)
+        _fallback = _torch_reason() if name == "auto" and chosen == TORCH else None
         if chosen != _chosen:
             _chosen = chosen
             for factory in _factories:
