@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrelay.engine import kernels
+from kernel_helpers import assert_more_threads_than_cores_give_the_one_thread_result
 
 # The bfloat16 small-batch matmul is compiled only for CPUs with AVX-512 BF16, as on the
 # project's machines; elsewhere the torch paths run (tests/test_kernels_variants.py covers
@@ -215,16 +216,7 @@ def test_native_gemm_split_among_more_threads_than_cores_gives_the_one_thread_re
         return [g(x, p, n, bias[:n], out_dtype=dt) for (x, _, n), p in zip(cases, packed)
                 for dt in (torch.bfloat16, torch.float32)]
 
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        want = run()
-        torch.set_num_threads(4)
-        for _ in range(20):
-            for got, ref in zip(run(), want):
-                assert torch.equal(got, ref)
-    finally:
-        torch.set_num_threads(before)
+    assert_more_threads_than_cores_give_the_one_thread_result(run)
 
 
 # Row counts on both sides of the tiles' 16 and the kernel's 32-row blocks, column counts

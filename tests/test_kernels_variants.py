@@ -22,6 +22,7 @@ from kvrelay.engine.models.linear import Linear, WeightFormat
 from kvrelay.engine.models.quant_linear import quant_forward, quantize
 from kvrelay.engine.models.testing import make_tiny_model_dir
 from kvrelay.engine.runner import SeqChunk, build_forward_batch
+from kernel_helpers import assert_more_threads_than_cores_give_the_one_thread_result
 
 VARIANTS = tuple(VARIANT_FLAGS)
 
@@ -162,19 +163,10 @@ def test_work_split_among_more_threads_than_cores_gives_the_one_thread_result(va
     attend = kernels.paged_decode()
 
     def run():
-        return (g(x, packed, 960, None), quant_forward(x[:3], qw, None),
-                attend(pool, page_table, kv_lens, q, layer=1, num_kv_heads=3, page_size=16, scale=0.125))
+        return [g(x, packed, 960, None), quant_forward(x[:3], qw, None),
+                attend(pool, page_table, kv_lens, q, layer=1, num_kv_heads=3, page_size=16, scale=0.125)]
 
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        want = run()
-        torch.set_num_threads(4)
-        for _ in range(20):
-            for got, ref in zip(run(), want):
-                assert torch.equal(got, ref)
-    finally:
-        torch.set_num_threads(before)
+    assert_more_threads_than_cores_give_the_one_thread_result(run)
 
 
 @pytest.mark.parametrize("rows", [1, 32, 129, 300])
