@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from kvrelay.core.config import KVRelayConfig
-from kvrelay.engine.core import EngineCore
 from kvrelay.engine import kernels
+from kvrelay.engine.core import EngineCore
 from kvrelay.engine.engine import AsyncEngine
 from kvrelay.engine.loader import load_model
 from kvrelay.obs.metrics import ServingMetrics

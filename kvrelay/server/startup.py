@@ -178,9 +178,9 @@ def startup_line(role: str, info: dict[str, str], model: str, kv_tokens: int, ur
     """The line a server prints once it serves; `info`: `EngineCore.compute_info()`;
     `kernels_note`: why the torch fallbacks run (`kernels.fallback_reason()`)."""
     where = "" if info["device"] == "cpu" else f"on {info['device']}, "
-    tiles = "" if info.get("tiles", "none") == "none" else f" (matmuls on {info['tiles']} tiles)"
-    tiles += f" ({kernels_note})" if kernels_note else ""
-    return (f"kvrelay {role}: model {model} ({where}{info['dtype']}, kernels {info['kernels']}{tiles}, weights "
+    notes = "" if info.get("tiles", "none") == "none" else f" (matmuls on {info['tiles']} tiles)"
+    notes += f" ({kernels_note})" if kernels_note else ""
+    return (f"kvrelay {role}: model {model} ({where}{info['dtype']}, kernels {info['kernels']}{notes}, weights "
             f"{info['weights']}, KV cache {info['kv_cache']}, attention {info['attention']}), "
             f"KV capacity {kv_tokens} tokens, serving on {url}")
 

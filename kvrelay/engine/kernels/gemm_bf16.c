@@ -105,7 +105,7 @@ static void tile_any(const uint16_t *x, int64_t K, const uint16_t *packed, int64
 }
 
 /* Work a stolen unit of column groups holds, in flops (a 32-row decode step: one group
- * of K = 1,536, three of K = 576), and the threads that stealing keeps words for. */
+ * of K = 1,536, two of K = 576), and the threads that stealing keeps words for. */
 #define UNIT_FLOPS 4000000
 #define WORDS WS_MAX_THREADS
 
