@@ -197,6 +197,19 @@ def test_native_gemm_matches_float32_matmul(M, N, K, bias):
     assert exact.dtype == torch.float32 and torch.allclose(exact, want, rtol=1e-5, atol=1e-4)
 
 
+def test_native_gemm_of_no_rows_is_empty():
+    """A matmul of 0 rows returns [0, N]: the kernel sizes its stolen units by the rows, and
+    once divided by zero (SIGFPE, the whole process)."""
+    g = kernels.gemm()
+    assert (g is not None) == HAS_AVX512_BF16
+    if g is None:
+        return
+    packed = g.pack(torch.randn(64, 32).bfloat16())
+    for dt in (torch.bfloat16, torch.float32):
+        got = g(torch.empty(0, 32, dtype=torch.bfloat16), packed, 64, torch.zeros(64), out_dtype=dt)
+        assert got.shape == (0, 64) and got.dtype == dt
+
+
 def test_native_gemm_split_among_more_threads_than_cores_gives_the_one_thread_result():
     """Every column group is computed once, by one thread, whichever thread takes it
     (gemm_bf16.c steals units of groups from a preempted thread's part): with 4 threads on

@@ -146,6 +146,16 @@ def test_wide_gemm(variant, stored, M, N, K, bias):
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-4 * K ** 0.5)
 
 
+def test_wide_gemm_of_no_rows_is_empty(variant):
+    """0 rows: [0, N], not a division by zero in the unit size (SIGFPE, the whole process)."""
+    if variant is None:
+        return
+    g = wide_gemm()
+    packed = g.pack(torch.randn(64, 32).bfloat16())
+    got = g(torch.empty(0, 32), packed, 64, None)
+    assert got.shape == (0, 64) and got.dtype == torch.float32
+
+
 def test_work_split_among_more_threads_than_cores_gives_the_one_thread_result(variant):
     """Each part of a kernel's work, and each unit a thread takes from another's part
     (worksteal.h), is computed exactly once and the same way: with 4 threads on this

@@ -117,8 +117,9 @@ static void tile_any(const uint16_t *x, int64_t K, const uint16_t *packed, int64
  * is computed by one thread whatever the schedule, so the result is the same bits. */
 void gemm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
                const float *bias, void *out, int f32) {
+    if (M <= 0 || N <= 0) return;
     const int64_t kp = (K + 1) / 2, nblocks = (N + 15) / 16, groups = (nblocks + NB_MAX - 1) / NB_MAX;
-    int64_t unit = UNIT_FLOPS / (2 * M * K * 16 * NB_MAX);
+    int64_t unit = UNIT_FLOPS / (2 * M * (K > 0 ? K : 1) * 16 * NB_MAX);
     if (unit < 1) unit = 1;
     uint64_t words[WORDS];
     const int64_t team = ws_team(), stealing = team > 0;
