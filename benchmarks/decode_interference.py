@@ -50,6 +50,35 @@ def interfere(on, stop, bursts: int, burst_us: float, period_ms: float) -> None:
         time.sleep(max(0.0, gap - burst_us / 1e6))
 
 
+def whole_step(loaded, seqs: int, keys: int):
+    """A decode step of `seqs` sequences at `keys` keys each, over a pool of random K/V
+    (any keys: the step's cost is the same)."""
+    a = loaded.arch
+    per_seq = -(-(keys + 1) // PAGE)
+    kv = KVPool(KVLayout("bench", loaded.dtype, PAGE, a.num_layers, a.num_kv_heads, a.head_dim), seqs * per_seq + 1)
+    torch.manual_seed(0)
+    kv.data.copy_((torch.randn(kv.data.shape) * 0.5).to(kv.data.dtype))
+    attn = make_attention_backend("cpu_native", kv, a.num_heads)
+    batch = build_forward_batch(
+        [SeqChunk([100 + s], keys, list(range(1 + s * per_seq, 1 + (s + 1) * per_seq))) for s in range(seqs)], PAGE)
+    return lambda: loaded.model(batch, attn)
+
+
+def matmuls(loaded, seqs: int):
+    """The step's matmuls alone: every Linear of the model, then the output head, at `seqs` rows."""
+    model = loaded.model
+    linears = [mod for mod in model.modules() if isinstance(mod, Linear) and mod is not model.lm_head]
+    dtype = TORCH_DTYPES[loaded.dtype]
+    xs = {n: torch.randn(seqs, n).to(dtype) for n in {mod.in_features for mod in linears}}
+    h = torch.randn(seqs, loaded.arch.hidden_size).to(dtype)
+
+    def run():
+        for mod in linears:
+            mod(xs[mod.in_features])
+        model.head_logits(h)
+    return run
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seqs", type=int, default=32)
@@ -63,27 +92,7 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     loaded = load_model(ModelOptions())
-    a = loaded.arch
-    per_seq = -(-(args.keys + 1) // PAGE)
-    kv = KVPool(KVLayout("bench", loaded.dtype, PAGE, a.num_layers, a.num_kv_heads, a.head_dim),
-                args.seqs * per_seq + 1)
-    torch.manual_seed(0)
-    kv.data.copy_((torch.randn(kv.data.shape) * 0.5).to(kv.data.dtype))   # any keys: the step's cost is the same
-    attn = make_attention_backend("cpu_native", kv, a.num_heads)
-    batch = build_forward_batch(
-        [SeqChunk([100 + s], args.keys, list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)))
-         for s in range(args.seqs)], PAGE)
-    step = lambda: loaded.model(batch, attn)   # noqa: E731
-    if args.part == "matmuls":
-        linears = [mod for mod in loaded.model.modules() if isinstance(mod, Linear) and mod is not loaded.model.lm_head]
-        dtype = TORCH_DTYPES[loaded.dtype]
-        xs = {n: torch.randn(args.seqs, n).to(dtype) for n in {mod.in_features for mod in linears}}
-        h = torch.randn(args.seqs, a.hidden_size).to(dtype)
-
-        def step():
-            for mod in linears:
-                mod(xs[mod.in_features])
-            loaded.model.head_logits(h)
+    step = matmuls(loaded, args.seqs) if args.part == "matmuls" else whole_step(loaded, args.seqs, args.keys)
     m = machine()
     print(f"cpu: {m['cpu']} ({m['cores']} cores; {' '.join(m['isa'])}), {loaded.dtype}, {args.threads} threads; "
           f"{args.part}, {args.seqs} x {args.keys} keys; interferer {args.bursts} x {args.burst_us:g} us every {args.period_ms:g} ms "
