@@ -14,6 +14,12 @@
    once, because D's lease still held P's previous incarnation and "another incarnation
    is on record" read as "the writer was replaced". A restart now counts only if an
    incarnation appears that was not visible when the quarantine began.
+4. A false peer-end verdict (seed 20794047, found on a fresh range): P's transfer failed
+   inside a long prefill pass, so P told D at once, while the P->D link was dropping
+   frames, and the room ended in P's lifecycle only at the step's end, after the link had
+   healed. The checker judged the notice by the link's state at that later moment. It now
+   judges the Notice that was really sent (`SimNetwork.notices`): lost, so heartbeats are
+   the backup and the lease bounds it.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import pytest
 
 from kvrelay.disagg.transfer.common import CommonManager
 from kvrelay.sim import faults as fl
+from kvrelay.sim import net
 from kvrelay.disagg.decode_side import DecodeSide
 from kvrelay.disagg.lease import Coordinator
 from kvrelay.sim.run import SimConfig, run_seed
@@ -107,3 +114,34 @@ def test_the_stale_lease_schedule_still_reaches_the_bug(monkeypatch):
     for seed, schedule in STALE_LEASE:
         r = run_seed(seed, BEFORE_SPLIT, schedule=fl.from_json(schedule))
         assert not r.ok and r.violation.invariant == "no-late-write", (seed, r.violation)
+
+
+# (seed, shrunk schedule): P's Notice of a failed transfer went out inside a slow pass over a
+# lossy link; the room ended in P's lifecycle after the link healed
+LOST_NOTICE = [
+    (20794047, '[{"at":0.109,"kind":"transfer","target":"prefill-0","duration":1.044,"params":{"fail_transfer":1.0}},'
+               '{"at":0.232,"kind":"slow","target":"prefill-0","duration":4.173,"params":{"factor":50}},'
+               '{"at":0.329,"kind":"disconnect","target":"r10","duration":0.0,"params":{"count":4}},'
+               '{"at":0.864,"kind":"link","target":"prefill-0>decode-0","duration":0.421,'
+               '"params":{"drop":0.6,"dup":0.1,"reorder":0.3,"delay":0.0}}]'),
+]
+
+
+@pytest.mark.parametrize("seed,schedule", LOST_NOTICE)
+def test_a_notice_lost_before_the_room_ended_is_not_held_against_the_peer(seed, schedule):
+    r = run_seed(seed, SimConfig(), schedule=fl.from_json(schedule))
+    assert r.ok, r.violation
+
+
+def test_the_lost_notice_schedule_still_reaches_the_old_verdict(monkeypatch):
+    """Judged by the link's state when the room ended (the old checker), it breaks peer-end."""
+    send = net.SimChannel.send
+
+    def unrecorded(self, dst, msg, frames=()):
+        ok = send(self, dst, msg, frames)
+        self.network.notices.clear()
+        return ok
+    monkeypatch.setattr(net.SimChannel, "send", unrecorded)
+    for seed, schedule in LOST_NOTICE:
+        r = run_seed(seed, SimConfig(), schedule=fl.from_json(schedule))
+        assert not r.ok and r.violation.invariant == "peer-end", (seed, r.violation)

@@ -17,6 +17,11 @@ how often each frame arrives, per link (src -> dst), from the seeded RNG it is g
 
 A channel that is closed (its worker crashed) receives nothing; frames in flight to its
 address are lost, and a new incarnation bound at the same address does not get them.
+
+The network remembers, per (src, dst, room), when the latest `Notice` sent over that link
+arrives (`notices`: its arrival times, empty when it was lost), so that the peer-end
+invariant judges a notice by what happened to it, not by the link's state at some later
+moment.
 """
 from __future__ import annotations
 
@@ -56,6 +61,7 @@ class SimNetwork:
         self.pools: dict[str, memoryview] = {}     # the fake backend's pool registry
         self._queues: dict[str, list[_InFlight]] = {}
         self._last: dict[tuple[str, str], float] = {}   # link -> latest delivery time (in order)
+        self.notices: dict[tuple[str, str, int], list[float]] = {}   # (src, dst, room) -> arrivals of the last Notice
         self._seq = 0
         self._binds = 0
         self.sent = self.dropped = 0
@@ -75,16 +81,19 @@ class SimNetwork:
     def partition(self, a: str, b: str, down: bool) -> None:
         self.link(a, b).down = self.link(b, a).down = down
 
-    def deliver(self, src: str, dst: str, parts: list, data_bytes: int = 0) -> bool:
+    def deliver(self, src: str, dst: str, parts: list, data_bytes: int = 0) -> list[float] | None:
+        """When each copy of the frame arrives: [] when it is lost on the way (the sender
+        cannot tell), None when nobody is bound at `dst` (like a connection refused)."""
         target = self.channels.get(dst)
         if target is None:
-            return False      # nobody bound there: like a connection refused, the frame is lost
+            return None
         self.sent += 1
         faults = self.links.get((src, dst))
         if faults is not None and (faults.down or (faults.drop and self.rng.random() < faults.drop)):
             self.dropped += 1
-            return True       # lost on the way: the sender cannot tell
+            return []
         copies = 2 if faults is not None and faults.dup and self.rng.random() < faults.dup else 1
+        arrivals = []
         for _ in range(copies):
             at = self.clock.now() + self.base_latency + self.rng.random() * self.jitter
             if faults is not None:
@@ -97,7 +106,8 @@ class SimNetwork:
                 self._last[(src, dst)] = at
             self._seq += 1
             heapq.heappush(self._queues[dst], _InFlight(at, self._seq, target.bound, parts))
-        return True
+            arrivals.append(at)
+        return arrivals
 
     def arrived(self, ch: "SimChannel", max_n: int) -> list[list]:
         q, now, out = self._queues.get(ch.address, []), self.clock.now(), []
@@ -125,8 +135,11 @@ class SimChannel(Channel):
     def send(self, dst: str, msg: wire.Message, frames: Sequence[Frame] = ()) -> bool:
         if self.closed:
             return False
-        return self.network.deliver(self.address, dst, [bytes(p) for p in self._parts(dst, msg, frames)],
-                                    sum(len(memoryview(f)) for f in frames))
+        arrivals = self.network.deliver(self.address, dst, [bytes(p) for p in self._parts(dst, msg, frames)],
+                                        sum(len(memoryview(f)) for f in frames))
+        if isinstance(msg, wire.Notice) and arrivals is not None:
+            self.network.notices[(self.address, dst, msg.room)] = arrivals
+        return arrivals is not None
 
     def recv(self, max_n: int = 10_000) -> list[Received]:
         if self.closed:

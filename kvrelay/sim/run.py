@@ -449,7 +449,10 @@ class Sim:
         a clean link the peer's copy must end in its first iteration after the Notice can
         have arrived (lifecycle.md: abort is honoured within one scheduler iteration on both
         sides; the peer says it aborted). Over a lossy link heartbeats are the backup, and
-        their bound is the lease, which the other invariants hold."""
+        their bound is the lease, which the other invariants hold.
+        The Notice may have gone before the room's end here (a transfer that failed inside
+        a long pass tells D at once; the room ends at the step's end): then what happened
+        to that Notice decides, whatever the link is like now."""
         if ev.phase not in ("failed", "aborted"):
             return
         m = w.core.manager
@@ -457,6 +460,11 @@ class Sim:
         if ep is None or ep.peer_address is None or (w.role == "prefill" and ep.dest is None):
             return   # the peer never learned of this side's endpoint: nothing to tell it yet
         net, peer = self.net, ep.peer_address
+        sent = net.notices.get((w.address, peer, ev.room))
+        if sent is not None:
+            if sent:   # lost on the way: heartbeats tell the peer, within its lease
+                self._peer_end.setdefault(peer, {})[ev.room] = min(sent)
+            return
         link = net.links.get((w.address, peer))
         if link is not None and (link.down or link.drop):
             return
