@@ -143,10 +143,21 @@ class ServerConfig:
     log_level: str = _f("info", "log level", choices=("debug", "info", "warning", "error"))
     log_format: str = _f("text", "log lines on stderr, kvrelay's and uvicorn's alike: text (timestamped "
                          "key=value) or json (one object per line)", choices=("text", "json"))
-    timeout_keep_alive: float = _f(5.0, "seconds an idle keep-alive HTTP connection is kept open before "
-                                   "it is closed (slow or idle clients hold no connection longer)")
-    limit_concurrency: int = _f(2048, "most HTTP connections and requests handled at once; beyond it new "
-                                "ones get 503 (above the router's 2 x --max-queued-requests legs per worker)")
+    timeout_keep_alive: float = _f(5.0, "seconds an idle keep-alive HTTP connection is kept open between "
+                                   "requests before it is closed")
+    header_timeout: float = _f(10.0, "seconds a connection may take, from connecting or from the first byte "
+                               "of a request, until that request's headers are complete; a slower one is "
+                               "closed (slow or idle clients hold no connection longer)")
+    body_timeout: float = _f(30.0, "seconds a request body may go without a byte arriving; then the request "
+                             "is answered 408 and its connection closed")
+    max_connections: int = _f(4096, "most open HTTP connections; a new one beyond it closes the longest idle "
+                              "connection, or is refused (503) when none is idle")
+    max_connections_per_client: int = _f(1024, "most open HTTP connections from one client address; a new one "
+                                         "beyond it closes that address's longest idle connection, or is "
+                                         "refused (503) when none is idle")
+    limit_concurrency: int = _f(2048, "most HTTP requests in flight at once (idle connections do not count); "
+                                "beyond it new ones get 503 (above the router's 2 x --max-queued-requests legs "
+                                "per worker)")
     allowed_origins: tuple[str, ...] = _f((), "origins browsers may call the API from (CORS), e.g. "
                                           "https://app.example.com, or '*' for any; methods GET, POST, OPTIONS; "
                                           "headers Authorization, Content-Type, X-Request-Id (default: none, no "
@@ -155,6 +166,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "--port must be between 0 and 65535")
         _require(self.timeout_keep_alive > 0, "--timeout-keep-alive must be positive")
+        _require(self.header_timeout > 0, "--header-timeout must be positive")
+        _require(self.body_timeout > 0, "--body-timeout must be positive")
+        _require(self.max_connections >= 1, "--max-connections must be at least 1")
+        _require(self.max_connections_per_client >= 1, "--max-connections-per-client must be at least 1")
         _require(self.limit_concurrency >= 1, "--limit-concurrency must be at least 1")
 
 
@@ -239,6 +254,10 @@ class ClusterConfig:
     worker_base_port: int | None = _f(None, "HTTP port of prefill worker 0: prefill worker i listens on "
                                       "base + i, decode worker j on base + --num-prefill + j "
                                       "(default: --port + 1; 0: any free ports)")
+    max_worker_restarts: int = _f(5, "a worker that exits is restarted at its port (after 1 s, doubling up to "
+                                  "30 s, a new incarnation); after this many restarts in a row, each dying "
+                                  "within a minute of becoming ready, `kvrelay serve` stops and exits non-zero "
+                                  "(0: exit at the first worker that dies)")
 
     def __post_init__(self) -> None:
         _require(self.num_prefill >= 1, "--num-prefill must be at least 1")
@@ -246,6 +265,7 @@ class ClusterConfig:
         _require(self.worker_threads is None or self.worker_threads >= 1, "--worker-threads must be at least 1")
         _require(self.worker_base_port is None or 0 <= self.worker_base_port <= 65535,
                  "--worker-base-port must be between 0 and 65535")
+        _require(self.max_worker_restarts >= 0, "--max-worker-restarts must be 0 or more")
 
 
 @dataclass(frozen=True)
