@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.routing import BaseRoute
 
 from kvrelay.engine.types import EngineClient, FinishReason, GenerateRequest, StepOutput
@@ -33,19 +33,23 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+Health = Callable[[], Awaitable[tuple[int, dict[str, Any]]]]
+
+
 def build_openai_app(client: EngineClient, *, extra_routes: Iterable[APIRouter | BaseRoute] | None = None,
                      gate: Gate | None = None, allowed_origins: Sequence[str] = (),
-                     health_info: dict[str, str] | None = None) -> FastAPI:
+                     health_info: dict[str, str] | None = None, health: Health | None = None) -> FastAPI:
     """The API app. `extra_routes` (routers or single routes: /metrics, /debug/requests,
     /abort, ...) are mounted beside the OpenAI routes. `gate`: the API keys and per-key
     limit every route but /health and /metrics is behind (`security.api_gate`).
     `allowed_origins`: CORS (`--allowed-origins`; none: no CORS headers). `health_info`:
-    what /health reports beside its status (a colocated server: what computes)."""
+    what /health reports beside its status (a colocated server: what computes). `health`:
+    (status code, body) of GET /health instead (the router: which workers are down)."""
     app = FastAPI(title="kvrelay", summary="OpenAI-compatible API of a kvrelay server")
     install_handlers(app)
     guard(app, gate)
     http_headers.install(app, allowed_origins)
-    serving = OpenAIServing(client, health_info or {})
+    serving = OpenAIServing(client, health_info or {}, health)
     app.include_router(serving.router())
     app.include_router(utility_router(serving))
     for route in extra_routes or ():
@@ -64,9 +68,11 @@ class OpenAIServing:
     """The routes. Tokenizing runs on the event loop: it is short next to a forward pass,
     and one Hugging Face tokenizer is not safe to share between threads."""
 
-    def __init__(self, client: EngineClient, health_info: dict[str, str] | None = None) -> None:
+    def __init__(self, client: EngineClient, health_info: dict[str, str] | None = None,
+                 health: Health | None = None) -> None:
         self.client = client
         self.health_info = health_info or {}
+        self._health = health
         self.tok = client.tokenizer()
         self.piece: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
 
@@ -82,8 +88,11 @@ class OpenAIServing:
         r.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         return r
 
-    async def health(self) -> dict[str, str]:
-        return {"status": "ok", **self.health_info}
+    async def health(self) -> JSONResponse:
+        if self._health is None:
+            return JSONResponse({"status": "ok", **self.health_info})
+        code, body = await self._health()
+        return JSONResponse(body, status_code=code)
 
     def _card(self) -> ModelCard:
         return ModelCard(id=self.client.model_name, max_model_len=self.client.max_model_len)
