@@ -18,7 +18,7 @@ from starlette.routing import BaseRoute
 
 from kvrelay.engine.types import EngineClient, FinishReason, GenerateRequest, StepOutput
 from kvrelay.server import http_headers, structured
-from kvrelay.server.errors import (SafeJSONResponse, from_failed_output, install_handlers, invalid, is_text,
+from kvrelay.server.errors import (SafeJSONResponse, from_failed_output, install_handlers, invalid,
                                    model_not_found)
 from kvrelay.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, ChatPromptFields,
@@ -27,6 +27,7 @@ from kvrelay.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoi
 from kvrelay.server.security import Gate, guard
 from kvrelay.server.sse import (Collected, Renderer, RequestStream, StreamGroup, abort_on_disconnect, collect,
                                 sse_events)
+from kvrelay.server.tokenizing import Tokenizing
 from kvrelay.server.utility_api import utility_router
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
@@ -65,8 +66,8 @@ def _finish(reason: FinishReason | None) -> str | None:
 
 
 class OpenAIServing:
-    """The routes. Tokenizing runs on the event loop: it is short next to a forward pass,
-    and one Hugging Face tokenizer is not safe to share between threads."""
+    """The routes. Every tokenizer call but the cached one-token `piece` runs off the event
+    loop (`tokenizing.Tokenizing`), after the cheap checks that refuse text too long to fit."""
 
     def __init__(self, client: EngineClient, health_info: dict[str, str] | None = None,
                  health: Health | None = None) -> None:
@@ -74,6 +75,7 @@ class OpenAIServing:
         self.health_info = health_info or {}
         self._health = health
         self.tok = client.tokenizer()
+        self.tokenizing = Tokenizing(self.tok, client.max_model_len)
         self.piece: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
 
     def _decode_one(self, token_id: int) -> str:
@@ -112,13 +114,13 @@ class OpenAIServing:
         prompts = body.prompts()
         greqs, echoes = [], []
         for i, prompt in enumerate(prompts):
-            ids = self.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
+            ids = await self.tokenizing.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
             max_tokens = self._max_tokens(body.max_tokens, len(ids), COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
             greqs.append(GenerateRequest(rid if len(prompts) == 1 else f"{rid}-{i}", tuple(ids),
                                          dataclasses.replace(body.sampling_params(max_tokens, body.logprobs),
                                                              grammar=grammar), whole=not body.stream))
             if body.echo:
-                echoes += [prompt if isinstance(prompt, str) else self.tok.decode(ids)] * body.n
+                echoes += [prompt if isinstance(prompt, str) else await self.tokenizing.decode(ids)] * body.n
         render = CompletionRenderer(rid, self.client.model_name, self.piece, body.logprobs is not None,
                                     len(prompts) * body.n, echoes or None)
         return await self._serve(greqs, render, request, body.stream, body.include_usage, body.continuous_usage)
@@ -127,7 +129,7 @@ class OpenAIServing:
         self._check_common(body)
         logprobs = body.engine_logprobs()
         plan = structured.plan(body)
-        ids = self.chat_prompt_ids(body)
+        ids = await self.chat_prompt_ids(body)
         max_tokens = self._max_tokens(body.requested_max_tokens(), len(ids), None, "messages")
         greq = GenerateRequest(http_headers.request_rid("chatcmpl", request.scope), tuple(ids),
                                dataclasses.replace(body.sampling_params(max_tokens, logprobs), grammar=plan.grammar),
@@ -141,14 +143,14 @@ class OpenAIServing:
             raise model_not_found(body.model)
         body.check_stream_options()
 
-    def chat_prompt_ids(self, body: ChatPromptFields, add_special_tokens: bool | None = None) -> list[int]:
+    async def chat_prompt_ids(self, body: ChatPromptFields, add_special_tokens: bool | None = None) -> list[int]:
         """The prompt of a chat request (or of POST /tokenize with messages)."""
         messages = [m.template_dict() for m in body.messages]
         kwargs = body.template_kwargs()
         messages, tool_kwargs = structured.prompt_inputs(body, messages, kwargs.get("chat_template")
                                                          or getattr(self.tok, "chat_template", None))
         try:
-            text = self.tok.apply_chat_template(messages, tokenize=False, **{**kwargs, **tool_kwargs})
+            text = await self.tokenizing.render(messages, **{**kwargs, **tool_kwargs})
         except Exception as exc:  # the template rejected the conversation (roles out of order, ...)
             raise invalid(f"the chat template cannot render these messages: {exc}", "messages") from None
         # The rendered template already holds the special tokens it wants (BOS included
@@ -156,15 +158,7 @@ class OpenAIServing:
         if add_special_tokens is None:
             bos = getattr(self.tok, "bos_token", None)
             add_special_tokens = not (bos and text.startswith(bos))
-        return self.encode(text, "messages", add_special_tokens=add_special_tokens)
-
-    def encode(self, text: object, param: str, **kwargs) -> list[int]:
-        """Token ids of `text`. The models in protocol.py already refuse text that is not
-        valid Unicode; this is the last check before the tokenizer (a rendered chat
-        template holds more than the fields: whatever it holds must be text, too)."""
-        if not isinstance(text, str) or not is_text(text):
-            raise invalid(f"{param}: must be valid Unicode text", param, "invalid_text")
-        return self.tok.encode(text, **kwargs)
+        return await self.tokenizing.encode(text, "messages", add_special_tokens=add_special_tokens)
 
     def _max_tokens(self, requested: int | None, prompt_len: int, cap: int | None, prompt_param: str) -> int:
         limit = self.client.max_model_len

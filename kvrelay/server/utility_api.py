@@ -101,10 +101,10 @@ def utility_router(serving: OpenAIServing) -> APIRouter:
         body = _parse(TokenizeChatRequest if "messages" in raw else TokenizeCompletionRequest, raw)
         check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
-            ids = serving.chat_prompt_ids(body, body.add_special_tokens)
+            ids = await serving.chat_prompt_ids(body, body.add_special_tokens)
         else:
-            ids = serving.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
-        strs = [serving.piece(t) for t in ids] if body.return_token_strs else None
+            ids = await serving.tokenizing.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
+        strs = await serving.tokenizing.pieces(ids) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=client.max_model_len, tokens=ids,
                                 token_strs=strs).model_dump(mode="json")
 
@@ -116,7 +116,7 @@ def utility_router(serving: OpenAIServing) -> APIRouter:
         outside = next((t for t in body.tokens if t >= vocab), None)
         if outside is not None:
             raise invalid(f"token id {outside} is outside the vocabulary (size {vocab})", "tokens")
-        return {"prompt": tok.decode(body.tokens)}
+        return {"prompt": await serving.tokenizing.decode(body.tokens)}
 
     @r.get("/version")
     async def version() -> dict[str, str]:
