@@ -181,10 +181,14 @@ async def test_limits_are_400s_naming_the_field(app, tiny_engine, path, body, pa
 
 
 def test_uvicorn_gets_the_connection_limits():
+    # --limit-concurrency is kvrelay's protocol's (requests in flight, a JSON 503), never
+    # uvicorn's own (which counts idle connections and answers text/plain).
     opts = uvicorn_options(ServerConfig())
-    assert opts["timeout_keep_alive"] == 5.0 and opts["limit_concurrency"] == 2048
-    opts = uvicorn_options(ServerConfig(timeout_keep_alive=1.5, limit_concurrency=10))
-    assert opts["timeout_keep_alive"] == 1.5 and opts["limit_concurrency"] == 10
+    assert opts["timeout_keep_alive"] == 5.0 and opts["limit_concurrency"] is None
+    assert opts["http"].policy.max_in_flight == 2048 and opts["http"].limits.header_timeout == 10.0
+    opts = uvicorn_options(ServerConfig(timeout_keep_alive=1.5, limit_concurrency=10, body_timeout=3.0))
+    assert opts["timeout_keep_alive"] == 1.5 and opts["limit_concurrency"] is None
+    assert opts["http"].policy.max_in_flight == 10 and opts["http"].limits.body_timeout == 3.0
     with pytest.raises(ValueError):
         ServerConfig(limit_concurrency=0)
 

@@ -7,11 +7,19 @@ well under a second with one line. The claimed socket is bound but not yet liste
 connections are refused while the model loads. It starts listening when `serving_url`
 composes the "serving on" line, so that line is true when it is printed, and uvicorn is
 handed that same socket (`uvicorn_options`), never a second bind of the port.
+
+Connections. uvicorn serves through `connections.BoundedHttp`, which bounds and times every
+connection (--header-timeout, --body-timeout, --max-connections,
+--max-connections-per-client, --limit-concurrency); the process's open-file limit is
+raised to its hard limit first, and --max-connections kept below it with a reserve.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
+import functools
 import logging
+import resource
 import signal
 import socket
 import sys
@@ -22,6 +30,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvrelay.core.config import KVRelayConfig, SecurityConfig, ServerConfig
 from kvrelay.obs.logs import AccessLog
+from kvrelay.server.connections import bounded_protocol
 from kvrelay.server.errors import StartupError
 
 BACKLOG = 2048  # uvicorn's default
@@ -206,20 +215,63 @@ def serving_url(srv: ServerConfig, sec: SecurityConfig) -> str:
 
 def uvicorn_options(srv: ServerConfig, sec: SecurityConfig | None = None) -> dict:
     """The uvicorn settings every serving command shares: where to listen (the socket
-    `claim_port` bound, if any), the connection limits (an idle keep-alive connection is
-    closed after --timeout-keep-alive; beyond --limit-concurrency connections and requests,
-    new ones get 503), HTTPS with --ssl-certfile/--ssl-keyfile, and no logging set-up of
-    uvicorn's own: its records go through kvrelay's handler (`obs.logs.setup_logging`).
-    Request bodies are bounded by the apps themselves (`errors.BodyLimit`); who may call
-    them, by `security.Guard`."""
+    `claim_port` bound, if any); connections bounded and timed by `connections.BoundedHttp`
+    (--header-timeout, --body-timeout, --max-connections, --max-connections-per-client,
+    --limit-concurrency, each refusal an OpenAI error body), with uvicorn's own
+    limit_concurrency off (it counts idle connections and answers text/plain) and its
+    --timeout-keep-alive between requests; no WebSockets (no route takes one, and an
+    upgraded connection would leave the connection count); HTTPS with
+    --ssl-certfile/--ssl-keyfile; and no logging set-up of uvicorn's own: its records go
+    through kvrelay's handler (`obs.logs.setup_logging`). Called at start-up: raises the
+    open-file limit (`raise_fd_limit`). Request bodies are bounded by the apps themselves
+    (`errors.BodyLimit`); who may call them, by `security.Guard`."""
     opts = dict(host=srv.host, port=srv.port, log_level=srv.log_level, access_log=False, log_config=None,
-                timeout_keep_alive=srv.timeout_keep_alive, limit_concurrency=srv.limit_concurrency)
+                timeout_keep_alive=srv.timeout_keep_alive, limit_concurrency=None, ws="none",
+                http=bounded_protocol(_within_fd_limit(srv)))
     sock = _listening(srv)
     if sock is not None:
         opts["fd"] = sock.fileno()
     if sec is not None and sec.ssl_certfile:
         opts.update(ssl_certfile=sec.ssl_certfile, ssl_keyfile=sec.ssl_keyfile)
     return opts
+
+
+# Descriptors kept for all but inbound connections (the router's pools to its workers,
+# 2 x --max-queued-requests + 144 by default; model files, ZMQ sockets, KV segments),
+# at most half the limit.
+FD_RESERVE = 1024
+
+
+@functools.cache
+def raise_fd_limit() -> int:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (once); the soft limit now
+    in force. With --max-connections below it, a connection flood sheds idle connections
+    instead of making accept() fail (EMFILE) for everyone."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            logging.getLogger("kvrelay.startup").warning("open files: cannot raise the limit %d to %d: %s",
+                                                         soft, hard, exc)
+    return sys.maxsize if soft == resource.RLIM_INFINITY else soft
+
+
+def _within_fd_limit(srv: ServerConfig) -> ServerConfig:
+    limit = raise_fd_limit()
+    allowed = max(1, limit - min(FD_RESERVE, limit // 2))
+    if srv.max_connections <= allowed:
+        return srv
+    _warn_clamped(srv.max_connections, allowed, limit)
+    return dataclasses.replace(srv, max_connections=allowed)
+
+
+@functools.cache
+def _warn_clamped(asked: int, allowed: int, limit: int) -> None:
+    logging.getLogger("kvrelay.startup").warning(
+        "--max-connections %d is above what %d open files allow: %d instead (raise `ulimit -n` for more)",
+        asked, limit, allowed)
 
 
 def access_logged(app):
