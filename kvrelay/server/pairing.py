@@ -160,6 +160,20 @@ class WorkerTable:
                  "outstanding": w.outstanding, "failures": w.failures, "last_error": w.last_error,
                  "health": w.health.model_dump() if w.health else None} for w in self._workers.values()]
 
+    def health_view(self) -> dict:
+        """The body of the router's /health. "status": "ok" while every worker is up;
+        "degraded" while some are down but each role has an up worker (requests are
+        served); "unavailable" while a role has none (requests get no_healthy_worker).
+        "down" (unless ok), in table order: each worker not up, with its last error as
+        "why" and the seconds since it went down (or since the table began) as "since_s"."""
+        now = self.clock.now()
+        down = [{"url": w.url, "role": w.role, "why": w.last_error or "not checked yet",
+                 "since_s": round(now - w.since, 3)} for w in self._workers.values() if not w.up]
+        if not down:
+            return {"status": "ok"}
+        served = all(self.up(role) for role in ROLES)
+        return {"status": "degraded" if served else "unavailable", "down": down}
+
     # -- health results --------------------------------------------------------------------
     def mark_ok(self, url: str, health: WorkerHealth) -> Change | None:
         """A good health check. Returns what changed, if anything worth logging."""

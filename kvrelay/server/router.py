@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Callable, Coroutine
+from typing import AsyncIterator, Callable, Coroutine, Protocol
 
 import uvicorn
 from fastapi import APIRouter, FastAPI
@@ -434,20 +434,29 @@ def merged(outs: list[StepOutput]) -> StepOutput:
 
 # ---------------------------------------------------------------- serving
 
-def router_app(router: RouterClient, gate: Gate | None = None, allowed_origins: tuple[str, ...] = ()) -> FastAPI:
+def router_app(router: RouterClient, gate: Gate | None = None, allowed_origins: tuple[str, ...] = (),
+               about: Callable[[str], dict] | None = None) -> FastAPI:
     """The OpenAI API over the router, /metrics, /metrics/workers (every worker's series),
-    /debug/requests (the router's requests and every worker's), and GET /workers (the worker
-    table), behind `gate` (API keys)."""
+    /debug/requests (the router's requests and every worker's), GET /workers (the worker
+    table) and /health (`WorkerTable.health_view`: 503 while a role has no up worker; each
+    down worker's entry updated with `about(url)`), behind `gate` (API keys)."""
     extra = APIRouter()
 
     @extra.get("/workers")
     async def workers() -> dict:
         return {"workers": router.table.rows()}
 
+    async def health() -> tuple[int, dict]:
+        view = router.table.health_view()
+        for entry in view.get("down", ()):
+            entry.update(about(entry["url"]) if about else {})
+        return (503 if view["status"] == "unavailable" else 200), view
+
     observe = observability_router(router.metrics, router.debug_view, router.worker_metrics)
     if gate is not None and "/metrics" in gate.open_paths:   # the workers' series are as open as its own
         gate = replace(gate, open_paths=gate.open_paths | {WORKERS_PATH})
-    return build_openai_app(router, extra_routes=[observe, extra], gate=gate, allowed_origins=allowed_origins)
+    return build_openai_app(router, extra_routes=[observe, extra], gate=gate, allowed_origins=allowed_origins,
+                            health=health)
 
 
 def router_tokenizer(opts: ModelOptions):
@@ -472,25 +481,39 @@ def worker_table(cfg: RouterConfig, clock: Clock) -> WorkerTable:
         raise StartupError(str(exc)) from None
 
 
+class Supervisor(Protocol):
+    """What `kvrelay serve` runs beside its router: `run` as a task on the router's loop
+    while it serves (it may end serving: `server.should_exit`), `about(url)` for /health."""
+
+    async def run(self, router: RouterClient, server: uvicorn.Server) -> None: ...
+
+    def about(self, url: str) -> dict: ...
+
+
 async def run_router(config: KVRelayConfig, table: WorkerTable, tokenizer, banner: Callable[[RouterClient], str],
-                     *, key: ClusterKey | None, gate: Gate) -> None:
+                     *, key: ClusterKey | None, gate: Gate, supervisor: Supervisor | None = None) -> None:
     """Wait for the workers in `table` (bounded by --startup-timeout), print
-    `banner(router)`, serve on --host/--port until SIGINT/SIGTERM. Every call to a worker
-    carries `key`'s token; clients must get past `gate`. Raises StartupError."""
+    `banner(router)`, serve on --host/--port until SIGINT/SIGTERM (or `supervisor` ends
+    it). Every call to a worker carries `key`'s token; clients must get past `gate`.
+    Raises StartupError."""
     cfg, srv, sec = config.router, config.server, config.security
     api = WorkerAPI(cfg, headers=auth_headers(key), verify=worker_verify(sec))
     try:
         monitor = WorkerMonitor(table, api, cfg)
         model, max_model_len = await monitor.wait_ready(config.cluster.startup_timeout, table.clock)
         router = RouterClient(cfg, table, api, monitor, tokenizer, model, max_model_len, table.clock)
-        server = uvicorn.Server(uvicorn.Config(access_logged(router_app(router, gate, srv.allowed_origins)), **uvicorn_options(srv, sec),
+        app = router_app(router, gate, srv.allowed_origins, supervisor.about if supervisor else None)
+        server = uvicorn.Server(uvicorn.Config(access_logged(app), **uvicorn_options(srv, sec),
                                                timeout_graceful_shutdown=SHUTDOWN_GRACE))
         print(banner(router), flush=True)
         health = asyncio.create_task(monitor.run())
+        watch = asyncio.create_task(supervisor.run(router, server), name="supervisor") if supervisor else None
         try:
             await server.serve()
         finally:
             health.cancel()
+            if watch is not None:
+                watch.cancel()
             await router.close()
     finally:
         await api.close()
