@@ -10,8 +10,11 @@ from `random.Random(seed)`: a load of mixed streaming and non-streaming greedy
 completions (some clients leave mid-stream, some abort a plain request), and one or two
 faults: SIGSTOP/SIGCONT of a worker below or above its lease, kill -9 and restart,
 runtime faults through POST /debug/faults, a burst of long requests that saturates the
-small decode pool (the clients and what they saw: chaos_load.py). When the episode is
-idle, every invariant is checked (`judge`, `leaks`, `fresh_request`). The table at the
+small decode pool (the clients and what they saw: chaos_load.py); and in some episodes
+(a draw of its own) a stall of the router's loop (SIGSTOP/SIGCONT of the router, below or
+above its lease of the workers). When the episode is idle, every invariant is checked
+(`judge`, `leaks`, `fresh_request`; after a router stall with no worker fault, also that
+the router declared no worker dead: a judge's stall is not a worker's fault). The table at the
 end has one row per seed; a failing seed prints the command that replays it and the
 script exits 1. Only real timing is not reproducible.
 
@@ -63,6 +66,9 @@ QUARANTINE = TRANSFER_TIMEOUT + 1 + SLACK
 SMALL_POOL = "1024"                  # --max-kv-tokens of the last decode worker (64 pages)
 SHORT_STOP = (0.2, 1.0)              # below the lease: requests only pause
 LONG_STOP = (BOUND["stop-decode"] + SLACK + 1, BOUND["stop-decode"] + SLACK + 3)
+# The router's own stalls: seen (above half a health interval), below and above its lease.
+STALLS = ((1.0, 2.0), (ROUTER_LEASE + 1, ROUTER_LEASE + 3))
+ROUTER = "router"
 
 
 def budget(prompt_tokens: int, max_tokens: int) -> float:
@@ -78,8 +84,8 @@ SPECS = {"prefill": SPECS_ANY + ("hang_transfer=1", "fail_transfer=0.5", "drop:A
 
 @dataclass
 class Fault:
-    kind: str            # stop | kill | faults | saturate
-    worker: str          # a Proc name ("" for saturate: the burst goes through the router)
+    kind: str            # stop | kill | faults | saturate | stall
+    worker: str          # a Proc name ("" for saturate: the burst goes through the router; ROUTER for stall)
     at: float
     duration: float = 0.0
     spec: str = ""
@@ -88,6 +94,8 @@ class Fault:
     on_worker: dict[str, str] = field(default_factory=dict)   # router rid -> its phase at t0
 
     def label(self) -> str:
+        if self.kind == "stall":
+            return f"stall router {self.duration:.1f}s"
         if self.kind == "stop":
             return f"stop {self.worker} {self.duration:.1f}s"
         if self.kind == "faults":
@@ -133,6 +141,10 @@ def draw_episode(seed: int, workers: list[str], short: bool) -> Episode:
             calls += [Call(len(JOBS) + rng.randrange(len(LONG_JOBS)), rng.choice(("stream", "plain")), f.at)
                       for _ in range(4)]
         faults.append(f)
+    stalls = random.Random(seed ^ 0x57A11)   # a stream of its own: the draws above stay what they were
+    if stalls.random() < 0.3:
+        span = STALLS[stalls.random() < 0.5]
+        faults.append(Fault("stall", ROUTER, round(stalls.uniform(0.5, 2.5), 2), round(stalls.uniform(*span), 2)))
     return Episode(seed, calls, faults)
 
 
@@ -141,11 +153,11 @@ def apply_fault(cluster: Cluster, f: Fault, t_zero: float) -> None:
     if f.kind == "saturate":
         f.t0 = f.ended = time.monotonic()
         return
-    proc = proc_named(cluster, f.worker)
-    f.on_worker = rows_on(cluster, proc)
+    proc = cluster.router if f.kind == "stall" else proc_named(cluster, f.worker)
+    f.on_worker = {} if f.kind == "stall" else rows_on(cluster, proc)
     f.t0 = time.monotonic()
     try:
-        if f.kind == "stop":
+        if f.kind in ("stop", "stall"):
             proc.signal(signal.SIGSTOP)
             time.sleep(f.duration)
             proc.signal(signal.SIGCONT)
@@ -221,6 +233,8 @@ def _extra(f: Fault, role_of: dict[str, str], own: float) -> float:
     stop: its length), plus one retry of the request (saturate: the queue ahead of it)."""
     if f.kind == "saturate":
         return sum(budget(j.prompt_tokens, j.max_tokens) for j in LONG_JOBS)
+    if f.kind == "stall":   # everything waits for the router, then goes on
+        return f.duration + SLACK + own
     if f.kind == "stop" and not f.sharp:
         return f.duration + own
     if f.kind == "faults":
@@ -263,6 +277,27 @@ def idle_problems(cluster: Cluster) -> tuple[list[str], list[str]]:
         if w.get("error") or w.get("requests"):
             bad.append(f"{url} /debug/requests: {w.get('error') or len(w['requests'])}")
     return bad, quarantined
+
+
+def router_counter(cluster: Cluster, name: str) -> float:
+    return sum(v for (n, _), v in metric_samples(cluster.url).items() if n == name)
+
+
+def stall_problems(ep: Episode, before: dict[str, float], cluster: Cluster) -> list[str]:
+    """After a router stall in an episode that harmed no worker: the router saw its stall,
+    and declared no worker dead for it."""
+    stalls = [f for f in ep.faults if f.kind == "stall"]
+    if not stalls:
+        return []
+    after = {name: router_counter(cluster, name) for name in before}
+    problems = []
+    if after["kvrelay_router_loop_stalls_total"] <= before["kvrelay_router_loop_stalls_total"]:
+        problems.append(f"the router did not see its own stall ({stalls[0].label()})")
+    harmed = any(f.kind in ("stop", "kill") for f in ep.faults)
+    gone = after["kvrelay_router_lease_expiries_total"] - before["kvrelay_router_lease_expiries_total"]
+    if gone and not harmed:
+        problems.append(f"the router declared {gone:g} worker(s) dead for its own stall ({stalls[0].label()})")
+    return problems
 
 
 def fresh_request(cluster: Cluster, refs: dict[int, str]) -> str | None:
@@ -329,6 +364,8 @@ class Harness:
         c = self.cluster
         role_of = {p.name: p.name.split("-")[0] for p in c.workers}
         ep = draw_episode(seed, sorted(role_of), short)
+        counters = {name: router_counter(c, name) for name in ("kvrelay_router_loop_stalls_total",
+                                                               "kvrelay_router_lease_expiries_total")}
         t_zero = time.monotonic() + 0.2
         threads = [threading.Thread(target=apply_fault, args=(c, f, t_zero), daemon=True) for f in ep.faults]
         for t in threads:
@@ -340,6 +377,7 @@ class Harness:
         worst = judge(ep, self.refs, role_of)
         problems = [f"client {i} ({call.kind} job {call.job}): {p}" for i, call in enumerate(ep.calls)
                     for p in call.problems]
+        problems += stall_problems(ep, counters, c)
         leaked = leaks(c)
         problems += [f"leak: {x}" for x in leaked]
         if not leaked and (fresh := fresh_request(c, self.refs)) is not None:
@@ -353,6 +391,7 @@ class Harness:
     def heal(self) -> None:
         """Every worker running, unfrozen, fault-free, and seen up by the router."""
         c = self.cluster
+        c.router.signal(signal.SIGCONT)
         for p in c.workers:
             if p.popen is None or p.popen.poll() is not None:
                 p.start().wait_healthy()

@@ -26,6 +26,7 @@ MUTANTS = {
     "oom_after_kv_stranded": "SGLang #6857: a request out of pages on D after its KV arrived is stranded",
     "aux_before_ahead": "layer-wise transfer: the aux goes before the writes made ahead have landed",
     "progress_counts_pages": "D counts progress in pages touched: a layer-wise transfer's later spans look stalled",
+    "judge_counts_own_stall": "a lease judge counts its own loop's stall against the workers it holds",
 }
 # Seeds 0..BUDGET-1. Measured: every mutant but one is caught within its first 45 seeds,
 # and each breaks 2% (the rarest: d_timeout_before_first_byte, quarantine_on_timer) to 20%

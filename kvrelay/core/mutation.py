@@ -33,6 +33,10 @@ on; the cost at a site is one set lookup.
                                   in, not bytes landed: once a layer-wise write has touched every
                                   page, its later spans look like no progress and P cuts a
                                   transfer that moves (kvrelay's own, found 2026-12-05)
+    judge_counts_own_stall        a lease judge (the router's reaper, a worker's P<->D leases)
+                                  counts the time its own loop was stalled against the peers it
+                                  holds: a router stall past the lease declares every worker dead
+                                  (kvrelay's own, the finding of issue #53)
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ MUTANTS = frozenset({
     "poll_ignores_abort", "d_timeout_before_first_byte", "timeouts_only_after_batch",
     "reaper_stops_at_first_unexpired", "quarantine_on_timer", "no_p_to_d_abort",
     "router_ignores_dead_worker", "oom_after_kv_stranded", "aux_before_ahead", "progress_counts_pages",
+    "judge_counts_own_stall",
 })
 
 ACTIVE: set[str] = set()

@@ -9,6 +9,9 @@ Rules (lifecycle.md, "Deadlines that never kill a healthy slow request"):
 - A room fails when a heartbeat newer than the one that last listed it (or newer than the
   point where the peer must know it) no longer lists it: the peer forgot it.
 - Heartbeats older than the newest one seen (reordered, duplicated) are ignored entirely.
+- A lease counts this worker's own looking, not the wall clock: `step()` and `mid_step()`
+  measure the loop's gaps (`core.stall`), and a stall of this loop (a long call, the
+  thread off its core, a paused process) is not a peer's silence.
 - Progress, not age, bounds a moving transfer: D's heartbeats carry how many KV bytes from
   P have landed in all and per waiting room, and P fails a room in transfer only after
   `heartbeat_misses` heartbeats in a row that show it waiting with no new byte landed
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 from kvrelay.core import mutation
 from kvrelay.core.clock import Clock
 from kvrelay.core.config import LifecycleConfig
+from kvrelay.core.stall import StallWatch
 from kvrelay.disagg import wire
 from kvrelay.disagg.lifecycle import Lifecycle, Reason, Room, phase_name, timeout
 from kvrelay.disagg.transfer.base import TransferManager
@@ -44,8 +48,8 @@ class PeerLease:
 
 
 class Leases:
-    def __init__(self, cfg: LifecycleConfig, clock: Clock) -> None:
-        self.cfg, self.clock = cfg, clock
+    def __init__(self, cfg: LifecycleConfig, clock: Clock, stalls: StallWatch | None = None) -> None:
+        self.cfg, self.clock, self.stalls = cfg, clock, stalls
         self.peers: dict[str, PeerLease] = {}
 
     @property
@@ -79,11 +83,17 @@ class Leases:
             if lease is not None and t > lease.last_heard:
                 lease.last_heard = t
 
+    def silent(self, lease: PeerLease) -> float:
+        """Seconds `lease`'s peer has been silent while this loop looked."""
+        quiet = self.clock.now() - lease.last_heard
+        if self.stalls is None or mutation.on("judge_counts_own_stall"):
+            return quiet
+        return quiet - self.stalls.blind(lease.last_heard)
+
     def dead(self) -> list[str]:
-        now = self.clock.now()
         if mutation.on("reaper_stops_at_first_unexpired"):  # vLLM #41383: peers are not in expiry order
-            return list(itertools.takewhile(lambda a: now - self.peers[a].last_heard >= self.timeout, self.peers))
-        return [a for a, lease in self.peers.items() if now - lease.last_heard >= self.timeout]
+            return list(itertools.takewhile(lambda a: self.silent(self.peers[a]) >= self.timeout, self.peers))
+        return [a for a, lease in self.peers.items() if self.silent(lease) >= self.timeout]
 
     def forget(self, address: str) -> None:
         self.peers.pop(address, None)
@@ -97,7 +107,10 @@ class Coordinator(ABC):
     def __init__(self, cfg: LifecycleConfig, manager: TransferManager, clock: Clock,
                  lifecycle: Lifecycle) -> None:
         self.cfg, self.manager, self.clock, self.lc = cfg, manager, clock, lifecycle
-        self.leases = Leases(cfg, clock)
+        lease = cfg.heartbeat_interval * cfg.heartbeat_misses
+        self.stalls = StallWatch(clock, tolerance=cfg.heartbeat_interval / 2, horizon=max(60.0, 10 * lease),
+                                 name=f"{self.side} worker")
+        self.leases = Leases(cfg, clock, self.stalls)
         self._last_beat = float("-inf")
         self._tombstones: dict[int, tuple[str | None, str, float]] = {}  # room -> (peer, phase, expiry)
         self.heartbeat_reads = 0   # passes of `step()` that read the peers' heartbeats so far
@@ -144,6 +157,7 @@ class Coordinator(ABC):
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> None:
         """One scheduler iteration. Never blocks."""
+        self.stalls.look()
         self.manager.progress()
         # The rooms' own endpoints first: a peer sends a room's Notice before any heartbeat
         # that lists the room ended, so when both arrived in one iteration the Notice's
@@ -160,6 +174,7 @@ class Coordinator(ABC):
         out, so that a busy worker keeps its leases and its transfers move, then
         `_poll_settled`. Invariant: it ends no room the pass may be computing into, and
         frees no page of one; reading heartbeats and the watchdog wait for `step()`."""
+        self.stalls.look()
         self.manager.progress()
         self._beat()
         self._poll_settled()

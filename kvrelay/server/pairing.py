@@ -10,7 +10,9 @@ Invariants:
   that only timed out makes it `slow`: still up, picked only when its role has no other.
 - Each worker is held under a lease: one that answered no health check for `lease`
   seconds is dead (`expire_leases`), once per lease: the router fails every leg it has
-  open there. Only a good check starts a new lease; it never revives a failed leg.
+  open there. Only a good check starts a new lease; it never revives a failed leg. The
+  seconds count the router's own looking: its loop's stalls (`core.stall`) are not the
+  worker's silence.
 - `outstanding` counts the legs the router has open on a worker: `leg_started` and
   `leg_ended` come in pairs, so it is never negative and is 0 when the router is idle.
 """
@@ -22,6 +24,7 @@ from typing import Iterable, Sequence
 
 from kvrelay.core import mutation
 from kvrelay.core.clock import Clock
+from kvrelay.core.stall import StallWatch
 from kvrelay.server.worker_protocol import WorkerHealth
 
 ROLES = ("prefill", "decode")
@@ -47,7 +50,7 @@ class Worker:
     failures: int = 0                    # consecutive failures since the last good check
     last_error: str | None = None
     since: float = 0.0                   # clock time of the last up/down change
-    last_ok: float | None = None         # clock time of the last good check (None: never)
+    last_ok: float | None = None         # clock time of the last good check or leg output (None: never)
     dead: bool = False                   # its lease expired; cleared by the next good check
     slow: bool = False                   # up, but its last check timed out; cleared by a good one
     sent_tokens: int = 0                 # prompt tokens of legs started here since the last good check
@@ -192,6 +195,13 @@ class WorkerTable:
         w.sent_tokens = 0   # the report counts them (up to the legs still on the way)
         return change
 
+    def progress(self, url: str) -> None:
+        """The worker's own word that its loop runs (an output of one of its legs): it
+        renews the lease of a worker that is up, and never brings one back."""
+        w = self._workers[url]
+        if w.up and not w.dead and w.last_ok is not None:
+            w.last_ok = self.clock.now()
+
     def mark_slow(self, url: str, error: str) -> Change | None:
         """A check that timed out. A busy worker answers late, so the worker stays up: it
         is picked only when its role has no worker that answered, until a good check, a
@@ -216,19 +226,27 @@ class WorkerTable:
         w.up, w.since = False, self.clock.now()
         return Change.WENT_DOWN
 
-    def expire_leases(self, lease: float) -> list[Worker]:
+    def expire_leases(self, lease: float, stalls: StallWatch | None = None) -> list[Worker]:
         """Workers whose lease just expired: no good check for `lease` seconds since the
-        last one. Each is marked down and dead and returned once, until a good check."""
+        last one, less the judge's own `stalls` since. Each is marked down and dead and
+        returned once, until a good check."""
         now, died = self.clock.now(), []
         for w in self._workers.values():
-            if mutation.on("reaper_stops_at_first_unexpired") and w.last_ok is not None and now - w.last_ok < lease:
+            if w.last_ok is None:
+                continue
+            silent = now - w.last_ok
+            if stalls is not None and not mutation.on("judge_counts_own_stall"):
+                silent -= stalls.blind(w.last_ok)
+            if mutation.on("reaper_stops_at_first_unexpired") and silent < lease:
                 break  # vLLM #41383: stops at the first live lease, though workers are not in expiry order
-            if w.dead or w.last_ok is None or now - w.last_ok < lease:
+            if w.dead or silent < lease:
                 continue
             w.dead = True
             if w.up:
                 w.up, w.since = False, now
-            w.last_error = f"no good health check for {now - w.last_ok:.1f} s (lease {lease:g} s)"
+            blind = f", {now - w.last_ok - silent:.1f} s of the router's own stalls not counted" \
+                if silent < now - w.last_ok else ""
+            w.last_error = f"no good health check for {silent:.1f} s (lease {lease:g} s{blind})"
             died.append(w)
         return died
 

@@ -3,9 +3,11 @@ over httpx, and the health checks that keep the router's worker table current.
 
 Three connection pools: `streams` for the `POST /generate` legs (no read timeout: a leg
 streams for as long as its request decodes, bounded by the router's end-to-end
-deadline), `control` for aborts and debug views, and `checks` for health checks, both
-with a short timeout, so that neither a full stream pool nor aborts piling up on a
-frozen worker ever delay noticing a dead worker. Every request of all three carries the
+deadline), `control` for aborts and debug views (a short timeout), and `checks` for
+health checks, so that neither a full stream pool nor aborts piling up on a frozen
+worker ever delay noticing a dead worker. A check may take up to `check_limit`: one
+slower than --health-timeout makes its worker slow, not down (a link busy with KV bytes
+delays answers without the worker being dead), and its answer still counts when it comes. Every request of all three carries the
 cluster token when the router has a key (`security.auth_headers`).
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ import httpx
 from kvrelay.core import aio
 from kvrelay.core.clock import Clock
 from kvrelay.core.config import RouterConfig
+from kvrelay.core.stall import StallWatch
 from kvrelay.engine.types import ErrorCode, FinishReason, RequestRejected, StepOutput
 from kvrelay.server.errors import StartupError
 from kvrelay.server.pairing import ROLES, Change, WorkerTable
@@ -31,6 +34,7 @@ log = logging.getLogger("kvrelay.router")
 PEER_FAILED = "peer_failed"
 CONNECT_TIMEOUT = 5.0
 ABORT_TIMEOUT = 2.0
+CHECKS_IN_FLIGHT = 4   # health checks of one worker at once: a new one every interval while earlier ones are late
 MAX_LINE_BYTES = 16 * 1024 * 1024   # one output line of a leg (its text, its logprobs), far above any real one
 WRONG_KEY = ("refuses the router's cluster token: the router and every worker need the same cluster key "
              "(--cluster-key-file or KVRELAY_CLUSTER_KEY)")
@@ -92,6 +96,12 @@ def _http_failure(status: int, body: bytes, url: str) -> Exception:
     return LegFailure(code or f"http_{status}", f"{url} answered HTTP {status}: {message}", url)
 
 
+def check_limit(cfg: RouterConfig) -> float:
+    """The longest a health check is waited for: past --health-timeout it only makes its
+    worker slow; an answer within this still counts."""
+    return 2 * cfg.health_lease
+
+
 def _describe(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
@@ -110,8 +120,8 @@ class WorkerAPI:
                                          limits=httpx.Limits(max_connections=64, max_keepalive_connections=16))
         # Health checks have a pool of their own: aborts piling up on a frozen worker must
         # never delay the checks that keep every other worker's lease.
-        self.checks = httpx.AsyncClient(**common, timeout=cfg.health_timeout,
-                                        limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+        self.checks = httpx.AsyncClient(**common, timeout=httpx.Timeout(check_limit(cfg), connect=cfg.health_timeout),
+                                        limits=httpx.Limits(max_connections=128, max_keepalive_connections=64))
 
     async def close(self) -> None:
         await self.streams.aclose()
@@ -183,34 +193,46 @@ class WorkerAPI:
 
 class WorkerMonitor:
     """Holds every worker under a lease (`RouterConfig.health_lease`), the way P and D hold
-    each other: each worker has its own check loop, one check every --health-interval,
-    each bounded by --health-timeout, so a slow or frozen worker never delays the checks of
-    the others. A worker that has answered no check for the lease is dead: `on_dead(url,
-    why)` fails every leg open on it. Down workers are checked too, so they rejoin. A
-    worker that reports the wrong role, another model than the router serves, or that it
-    refused the router's cluster token, stays down."""
+    each other: each worker has its own check loop, which starts a check every
+    --health-interval (up to CHECKS_IN_FLIGHT at once, each waited for up to
+    `check_limit`), so a slow or frozen worker never delays the checks of the others, and
+    answers slowed by a busy link keep coming. A check unanswered after --health-timeout
+    makes its worker slow; an answer in which the worker says its own loop last ran longer
+    ago than that (`loop_age`) is no good check either. A worker that has given no good
+    check, and no output on any leg (`WorkerTable.progress`), for the lease is dead:
+    `on_dead(url, why)` fails every leg open on it. The lease counts the router's own
+    looking: the reaper measures its loop's stalls (`stalls`) and does not count them.
+    Down workers are checked too, so they rejoin. A worker that reports the wrong role,
+    another model than the router serves, or that it refused the router's cluster token,
+    stays down."""
 
     def __init__(self, table: WorkerTable, api: WorkerAPI, cfg: RouterConfig,
                  on_dead: Callable[[str, str], None] | None = None) -> None:
         self.table, self.api, self.cfg = table, api, cfg
         self.on_dead = on_dead
         self.model: str | None = None     # fixed by wait_ready
+        self.stalls = StallWatch(table.clock, tolerance=cfg.health_interval / 2,
+                                 horizon=max(60.0, 10 * cfg.health_lease), name="router")
+        self._checks: dict[str, set[asyncio.Task]] = {}
+        self.expired = 0                  # leases ended since start (workers declared dead)
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self.check(url) for url in self.table.urls()))
+        await asyncio.gather(*(self.check(url, self.cfg.health_timeout) for url in self.table.urls()))
 
-    async def check(self, url: str) -> None:
+    async def check(self, url: str, limit: float | None = None) -> None:
+        """One health check, waited for up to `limit` (default `check_limit`)."""
+        late = asyncio.get_running_loop().call_later(self.cfg.health_timeout, self._late, url)
         try:
-            async with asyncio.timeout(self.cfg.health_timeout):
+            async with asyncio.timeout(check_limit(self.cfg) if limit is None else limit):
                 health = await self.api.health(url)
         except TimeoutError:
-            error = f"no answer to GET /health within --health-timeout {self.cfg.health_timeout:g} s"
-            if self.table.mark_slow(url, error) is Change.SLOW:
-                log.warning("worker slow", extra={"worker": url, "role": self.table.get(url).role, "error": error})
+            self._late(url)
             return
         except LegFailure as exc:
             self.failed(url, exc.detail)
             return
+        finally:
+            late.cancel()
         role = self.table.get(url).role
         if health.auth == "refused":
             self.failed(url, WRONG_KEY)
@@ -218,6 +240,8 @@ class WorkerMonitor:
             self.failed(url, f"reports role {health.role}, but was given as a {role} worker")
         elif self.model is not None and health.model != self.model:
             self.failed(url, f"serves model {health.model}, not {self.model}")
+        elif getattr(health, "loop_age", 0.0) > self.cfg.health_timeout:   # TEMP until WorkerHealth has it
+            self._slow(url, f"its scheduler loop last ran {health.loop_age:.1f} s ago")
         else:
             change = self.table.mark_ok(url, health)
             if change is not None:
@@ -225,13 +249,23 @@ class WorkerMonitor:
                 log.log(level, f"worker {change.value}", extra={"worker": url, "role": role,
                                                                 "incarnation": health.incarnation})
 
+    def _late(self, url: str) -> None:
+        self._slow(url, f"no answer to GET /health within --health-timeout {self.cfg.health_timeout:g} s")
+
+    def _slow(self, url: str, error: str) -> None:
+        if self.table.mark_slow(url, error) is Change.SLOW:
+            log.warning("worker slow", extra={"worker": url, "role": self.table.get(url).role, "error": error})
+
     def failed(self, url: str, error: str) -> None:
         if self.table.mark_failed(url, error) is Change.WENT_DOWN:
             log.warning("worker down", extra={"worker": url, "role": self.table.get(url).role, "error": error})
 
     def reap(self) -> list[str]:
-        """End the lease of every worker silent for too long; returns their URLs."""
-        dead = self.table.expire_leases(self.cfg.health_lease)
+        """End the lease of every worker silent for too long (the reaper's own stalls not
+        counted); returns their URLs."""
+        self.stalls.look()
+        dead = self.table.expire_leases(self.cfg.health_lease, self.stalls)
+        self.expired += len(dead)
         for w in dead:
             log.warning("worker dead", extra={"worker": w.url, "role": w.role, "error": w.last_error,
                                               "outstanding": w.outstanding})
@@ -247,14 +281,24 @@ class WorkerMonitor:
             group.create_task(self._reap_forever(), name="health-reaper")
 
     async def _watch(self, url: str) -> None:
-        clock = self.table.clock
-        while True:
-            started = clock.now()
-            try:
-                await self.check(url)
-            except Exception:  # noqa: BLE001 - a bug in one check must not end the worker's lease keeping
-                log.exception("health check failed", extra={"worker": url})
-            await asyncio.sleep(max(0.0, started + self.cfg.health_interval - clock.now()))
+        clock, checks = self.table.clock, self._checks.setdefault(url, set())
+        try:
+            while True:
+                started = clock.now()
+                if len(checks) < CHECKS_IN_FLIGHT:
+                    task = asyncio.create_task(self._guarded_check(url), name=f"health-check-{url}")
+                    checks.add(task)
+                    task.add_done_callback(checks.discard)
+                await asyncio.sleep(max(0.0, started + self.cfg.health_interval - clock.now()))
+        finally:
+            for task in list(checks):
+                task.cancel()
+
+    async def _guarded_check(self, url: str) -> None:
+        try:
+            await self.check(url)
+        except Exception:  # noqa: BLE001 - a bug in one check must not end the worker's lease keeping
+            log.exception("health check failed", extra={"worker": url})
 
     async def _reap_forever(self) -> None:
         # Every quarter interval: a lease ends at most that long after it expired.
@@ -262,7 +306,7 @@ class WorkerMonitor:
             await asyncio.sleep(self.cfg.health_interval / 4)
             try:
                 self.reap()
-            except Exception:  # noqa: BLE001 - see _watch
+            except Exception:  # noqa: BLE001 - see _guarded_check
                 log.exception("lease reaper failed")
 
     async def wait_ready(self, timeout: float, clock: Clock) -> tuple[str, int]:

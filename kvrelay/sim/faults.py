@@ -14,6 +14,8 @@ through JSON, so a shrunk schedule can be printed and replayed (`--schedule`).
     clock_jump  simulated time leaps forward (a paused VM), up to a few seconds
     abort       the client of request `target` aborts it
     disconnect  the client of request `target` leaves after `count` outputs (at `at` if none came)
+    stall       the router's event loop stands still for a while (a long synchronous call in
+                it): the judge of every worker's lease is blind, and no worker is at fault
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ import random
 from dataclasses import asdict, dataclass, field
 
 KINDS = ("link", "partition", "http_cut", "freeze", "crash", "slow", "transfer", "clock_jump", "abort",
-         "disconnect")
+         "disconnect", "stall")
+ROUTER = "router"   # the target of a stall
 
 
 @dataclass(frozen=True)
@@ -84,3 +87,11 @@ def draw(rng: random.Random, prefill: list[str], decode: list[str], requests: li
             out.append(Fault(round(rng.uniform(0.0, window + 1.0), 3), "disconnect", rid, 0.0,
                              {"count": rng.randint(0, 4)}))
     return sorted(out, key=lambda f: (f.at, f.kind, f.target))
+
+
+def draw_stalls(rng: random.Random, window: float, lease: float) -> list[Fault]:
+    """Some seeds' router stalls (from a stream of their own, so that every other draw of a
+    seed stays what it was): below and above the router's lease of its workers."""
+    if rng.random() >= 0.3:
+        return []
+    return [Fault(round(rng.uniform(0.0, window), 3), "stall", ROUTER, round(rng.uniform(0.2, 3 * lease), 3))]

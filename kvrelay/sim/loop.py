@@ -8,14 +8,49 @@ first in, first out; timers in time order).
 
 Invariant: nothing here reads wall time or does I/O. A loop with nothing scheduled at all
 raises `Stalled` instead of blocking forever.
+
+Processes: every task belongs to the simulated process named by `PROCESS` in the context
+it was created in (tasks inherit it; "" for the simulation's own). `stall(process,
+until)` makes that process's event loop stop until `until`: a step of one of its tasks
+that comes due meanwhile runs at `until` instead, in the order they came due, while
+every other process runs on (what a router whose loop is held by a long call looks like
+to its workers). Plain callbacks (timers, I/O completions) still run: they only wake
+tasks, whose steps wait.
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import weakref
+from asyncio import tasks
 
 from kvrelay.core.clock import SimClock
+
+
+PROCESS: contextvars.ContextVar[str] = contextvars.ContextVar("sim_process", default="")
+
+
+def in_process(name: str) -> contextvars.Context:
+    """A context whose tasks belong to process `name` (pass it to `create_task`)."""
+    ctx = contextvars.copy_context()
+    ctx.run(PROCESS.set, name)
+    return ctx
+
+
+class _ProcessTask(tasks._PyTask):
+    """A task whose steps wait while its process is stalled (`VirtualLoop.stall`)."""
+
+    def __init__(self, coro, *, loop, **kwargs) -> None:
+        self._process = (kwargs.get("context") or contextvars.copy_context()).get(PROCESS)
+        super().__init__(coro, loop=loop, **kwargs)
+
+    def _Task__step(self, exc=None):
+        until = self._loop.stalled_until(self._process)
+        if until is not None:
+            self._loop.call_at(until, self._Task__step, exc, context=self._context)
+            return
+        super()._Task__step(exc)
 
 
 class Stalled(RuntimeError):
@@ -47,11 +82,23 @@ class VirtualLoop(asyncio.BaseEventLoop):
         self._clock_resolution = 1e-9
         self._born: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # task -> creation number
         self._births = itertools.count()
+        self._stalls: dict[str, float] = {}   # process -> until when its loop stands still
+        self.set_task_factory(lambda loop, coro, **kw: _ProcessTask(coro, loop=loop, **kw))
 
     def create_task(self, coro, **kwargs) -> asyncio.Task:
         task = super().create_task(coro, **kwargs)
         self._born[task] = next(self._births)
         return task
+
+    def stall(self, process: str, until: float) -> None:
+        """`process`'s tasks take no step before `until`."""
+        self._stalls[process] = max(until, self._stalls.get(process, until))
+
+    def stalled_until(self, process: str) -> float | None:
+        until = self._stalls.get(process)
+        if until is None or until <= self.clock.now():
+            return None
+        return until
 
     def tasks_in_creation_order(self) -> list[asyncio.Task]:
         """The loop's tasks not yet done, oldest first. (`asyncio.all_tasks` is a WeakSet:

@@ -125,6 +125,9 @@ class SimNetwork:
         if self.channels.get(ch.address) is ch:
             del self.channels[ch.address]
             self._queues[ch.address] = []   # in flight to a dead process: lost
+            # ... so nothing is ahead of the frames of a new incarnation's connections
+            for link in [k for k in self._last if ch.address in k]:
+                del self._last[link]
 
 
 class SimChannel(Channel):

@@ -24,7 +24,14 @@ Invariants (docs/lifecycle.md names them; `Violation.invariant` is the name):
                      notice can have arrived, when the link was clean as it was sent
     leg-lease        no router leg stays open on a worker more than one reaper pass (a
                      quarter health interval) after the worker's last good health check
-                     plus its lease (or after a clock jump that ended it)
+                     (or leg output) plus its lease plus the router's own stalls since
+                     (its loop standing still, a clock jump: the judge was blind then)
+    judge-stall      a lease verdict (the router declaring a worker dead; a worker failing
+                     a room because its peer missed its heartbeats) names a worker that a
+                     fault could have silenced towards its judge recently (a freeze, crash,
+                     slow steps or a cut of its own, or of the link between them): a stall
+                     of the judge alone (the router's loop standing still, a clock jump) is
+                     never held against a peer
     no-starvation    the head of a worker's waiting queue, while the batch has room and the
                      pages for its next chunk are free, is scheduled within 3 iterations
     pages-owned-once the allocator's integrity check: every used page in exactly one owner
@@ -66,6 +73,7 @@ from kvrelay.server.errors import OpenAIError
 from kvrelay.sim import faults as fl
 from kvrelay.sim import loop
 from kvrelay.sim.cluster import CORES, Costs, SimRouter, SimWorker
+from kvrelay.sim.loop import in_process
 from kvrelay.sim.model import chain, expected_sampled, expected_tokens, sim_loaded
 from kvrelay.sim.net import SimNetwork
 
@@ -164,18 +172,21 @@ class Sim:
                 r.n = choices.choice([1, 1, choices.randint(2, cfg.max_n)])
                 r.seed = choices.randrange(1 << 31) if r.n > 1 else None
         lease = self.lifecycle.heartbeat_interval * self.lifecycle.heartbeat_misses
-        self.schedule = schedule if schedule is not None else fl.draw(
+        self.schedule = schedule if schedule is not None else sorted(fl.draw(
             rng, [w.name for w in self.workers if w.role == "prefill"],
             [w.name for w in self.workers if w.role == "decode"], [r.rid for r in self.requests],
-            cfg.window, lease, cfg.max_faults)
-        self.quiet = all(f.kind in ("abort", "disconnect") for f in self.schedule)   # clients' faults only
+            cfg.window, lease, cfg.max_faults) + fl.draw_stalls(random.Random(seed ^ 0x57A11), cfg.window,
+                                                                self.router_cfg.health_lease),
+            key=lambda f: (f.at, f.kind, f.target))
+        # clients' faults and the router's own stalls only: no worker or link is at fault
+        self.quiet = all(f.kind in ("abort", "disconnect", "stall") for f in self.schedule)
         self.answers: dict[str, Answer] = {}
         self.router: SimRouter | None = None
         self.metrics: dict[str, ServingMetrics] = {}
         self._checked: dict[str, set[str]] = {}
         self.violation: Violation | None = None
         self.t0 = 0.0
-        self.jumped = float("-inf")     # when the latest clock jump landed
+        self.blind: list[tuple[float, float]] = []   # (from, to): the router's stalls and clock jumps
         self._pools: dict[str, SimWorker] = {}             # fake pool id -> the worker it belongs to
         self._peer_end: dict[str, dict[int, float]] = {}   # address -> {room: when it must have ended}
         self._starving: dict[str, tuple] = {}              # worker -> (waiting head, admissible, iterations)
@@ -261,6 +272,15 @@ class Sim:
         self.router = SimRouter(self.router_cfg, self.workers, self.loaded.tokenizer, self.clock, self.http_latency)
         await self.router.start()
         self.t0 = self.clock.now()
+        monitor = self.router.monitor
+        reap = monitor.reap
+
+        def reaped() -> list[str]:
+            out = reap()
+            for url in out:
+                self._verdict(fl.ROUTER, url)
+            return out
+        monitor.reap = reaped
         lp = asyncio.get_running_loop()
         watch = lp.create_task(self._watch_legs())
         for f in self.schedule:
@@ -268,7 +288,9 @@ class Sim:
             if f.duration and f.kind not in ("abort", "disconnect", "clock_jump"):
                 lp.call_at(self.t0 + f.at + f.duration, self._apply, f, False)
         leave = {f.target: f for f in self.schedule if f.kind == "disconnect"}
-        clients = [lp.create_task(self._client(r, leave.get(r.rid))) for r in self.requests]
+        # A client's request is handled in the router: its task is the router's (stalls with it).
+        clients = [lp.create_task(self._client(r, leave.get(r.rid)), context=in_process(fl.ROUTER))
+                   for r in self.requests]
         await asyncio.gather(*clients)
         last_fault = max((f.at + f.duration for f in self.schedule), default=0.0)
         await asyncio.sleep(max(0.0, self.t0 + last_fault - self.clock.now()))
@@ -291,6 +313,24 @@ class Sim:
             if inner is not None:
                 inner(ev)
         lc.on_terminal = on_terminal
+        side, dead = core.side, core.side.leases.dead
+
+        def verdicts() -> list[str]:   # the peers this worker's leases find dead, rooms depending on them
+            out = dead()
+            for address in out:
+                if any(r.peer == address and side._depends_on_peer(r) for r in side.lc.rooms.values()):
+                    self._verdict(w.name, address)
+            return out
+        side.leases.dead = verdicts
+
+    def _verdict(self, judge: str, accused: str) -> None:
+        """Called from inside a worker's iteration or the router's reaper: reports through
+        `fail` rather than raising into production code."""
+        name = next((w.name for w in self.workers if accused in (w.url, w.address)), accused)
+        try:
+            self._judged(judge, name)
+        except Violation as v:
+            self.fail(v)
 
     # ---- faults ----------------------------------------------------------------------------
     def _worker(self, name: str) -> SimWorker:
@@ -327,8 +367,13 @@ class Sim:
             spec = ";".join(f"{k}={v}" for k, v in f.params.items()) + f";seed={self.seed}"
             self._worker(f.target).set_transfer_faults(spec if on else "")
         elif kind == "clock_jump":
+            start = self.clock.now()
             self.clock.advance(f.params["seconds"])
-            self.jumped = self.clock.now()   # leases that ended during the jump end now
+            self.blind.append((start, self.clock.now()))
+        elif kind == "stall":
+            now = self.clock.now()
+            asyncio.get_running_loop().stall(f.target, now + f.duration)
+            self.blind.append((now, now + f.duration))
         elif kind == "abort" and self.router is not None and self.router.client is not None:
             asyncio.get_running_loop().create_task(self.router.client.abort(f.target))
 
@@ -523,10 +568,29 @@ class Sim:
                     w = self.router.table.get(url)
                     if task.done() or side in att._final or side in att._dead or w.last_ok is None:
                         continue
-                    if now > max(w.last_ok + cfg.health_lease, self.jumped) + grace:
+                    if now > w.last_ok + cfg.health_lease + self._blind_since(w.last_ok, now) + grace:
                         raise Violation("leg-lease", f"{routed.rid}: its {side} leg on {url} is still open "
                                                      f"{now - w.last_ok - cfg.health_lease:.2f}s after the worker's "
                                                      "lease ended")
+
+    def _blind_since(self, since: float, now: float) -> float:
+        """Seconds after `since` the router could not look (its stalls, clock jumps)."""
+        return sum(max(0.0, min(end, now) - max(start, since)) for start, end in self.blind)
+
+    def _judged(self, judge: str, accused: str) -> None:
+        """judge-stall: `judge` declared `accused` dead; some fault must have been able to
+        silence it towards the judge within a few leases (stretched by the blind time)."""
+        now = self.clock.now()
+        lease = max(self.router_cfg.health_lease, self.lifecycle.heartbeat_interval * self.lifecycle.heartbeat_misses)
+        since = now - self.t0 - 3 * lease - self._blind_since(float("-inf"), now)
+        mine = {"freeze", "crash", "slow"} | ({"http_cut"} if judge == fl.ROUTER else set())
+        links = {f"{judge}>{accused}", f"{accused}>{judge}"}
+        for f in self.schedule:
+            hit = (f.kind in mine and f.target == accused) or (f.kind in ("link", "partition") and f.target in links)
+            if hit and f.at <= now - self.t0 and f.at + f.duration >= since:
+                return
+        raise Violation("judge-stall", f"{judge} declared {accused} dead with no fault on it or between them "
+                                       f"(blind {self._blind_since(float('-inf'), now):.2f}s in all)")
 
     def _check_kv(self, w: SimWorker, req) -> None:
         tokens = req.prompt_ids + req.output_ids
