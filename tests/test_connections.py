@@ -141,7 +141,7 @@ def test_the_open_file_limit_is_raised_and_max_connections_kept_below_it():
     assert opts["http"].policy.max_total == soft - min(FD_RESERVE, soft // 2) < soft
     default = uvicorn_options(ServerConfig())["http"].policy
     assert default.max_total == min(4096, soft - min(FD_RESERVE, soft // 2))
-    assert (default.max_per_client, default.max_in_flight) == (1024, 2048)
+    assert (default.max_per_client, default.max_in_flight) == (2048, 2048)
     assert opts["limit_concurrency"] is None and opts["ws"] == "none"
 
 

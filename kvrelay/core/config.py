@@ -152,7 +152,7 @@ class ServerConfig:
                              "is answered 408 and its connection closed")
     max_connections: int = _f(4096, "most open HTTP connections; a new one beyond it closes the longest idle "
                               "connection, or is refused (503) when none is idle")
-    max_connections_per_client: int = _f(1024, "most open HTTP connections from one client address; a new one "
+    max_connections_per_client: int = _f(2048, "most open HTTP connections from one client address; a new one "
                                          "beyond it closes that address's longest idle connection, or is "
                                          "refused (503) when none is idle")
     limit_concurrency: int = _f(2048, "most HTTP requests in flight at once (idle connections do not count); "
@@ -212,7 +212,9 @@ class RouterConfig:
     prefill: tuple[str, ...] = _f((), "prefill worker URLs (http://host:port)", nargs="+")
     decode: tuple[str, ...] = _f((), "decode worker URLs (http://host:port)", nargs="+")
     request_timeout: float = _f(600.0, "end-to-end deadline of one request, seconds")
-    max_queued_requests: int = _f(256, "requests the router holds at once; beyond it new ones get 503")
+    max_queued_requests: int = _f(256, "completions the router holds at once (each prompt of a request times "
+                                  "its n); a request that does not fit now gets 503, one that could never "
+                                  "fit a 400")
     health_interval: float = _f(1.0, "seconds between health checks of each worker")
     health_timeout: float = _f(2.0, "a health check slower than this counts as failed, seconds")
     health_misses: int = _f(3, "a worker that answered no health check for --health-interval x this many "

@@ -167,6 +167,11 @@ class EngineClient(ABC):
     @abstractmethod
     async def abort(self, rid: str) -> None: ...
 
+    def check_capacity(self, units: int, param: str) -> None:
+        """Before the requests of one API call start: raise (an HTTP error naming `param`
+        when it can never fit) if `units` more completions (prompts x n) cannot be admitted
+        now, so that a batch is admitted whole or not at all. Default: no limit of its own."""
+
     @abstractmethod
     def tokenizer(self):
         """The Hugging Face tokenizer (encode, decode, apply_chat_template)."""

@@ -24,7 +24,7 @@ from kvrelay.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoi
                                      ChatCompletionRequest, ChatCompletionResponse, ChatPromptFields,
                                      CompletionChoice, CompletionRequest, CompletionResponse, ModelCard, ModelList,
                                      Usage, chat_logprobs, completion_logprobs, now)
-from kvrelay.server.security import Gate, guard
+from kvrelay.server.security import Gate, charge, guard
 from kvrelay.server.sse import (Collected, Renderer, RequestStream, StreamGroup, abort_on_disconnect, collect,
                                 sse_events)
 from kvrelay.server.tokenizing import Tokenizing
@@ -180,6 +180,10 @@ class OpenAIServing:
     # -- running the request --------------------------------------------------------------
     async def _serve(self, greqs: list[GenerateRequest], render: Renderer, request: Request, stream: bool,
                      include_usage: bool, continuous_usage: bool = False):
+        units = sum(g.params.n for g in greqs)   # every limit counts each completion
+        param = "prompt" if len(greqs) > 1 else "n"
+        charge(request.scope, units, param)
+        self.client.check_capacity(units, param)
         streams = [RequestStream(self.client, g) for g in greqs]
         rs = streams[0] if len(streams) == 1 else StreamGroup(streams)
         if not stream:

@@ -98,6 +98,7 @@ class Attempt:
         lines = LegLines(leg)
         try:
             async for out in self.api.generate(url, leg):
+                self.table.progress(url)
                 lines.take(out)
                 if lines.done:
                     self._final.add(side)
@@ -186,6 +187,7 @@ class RouterClient(EngineClient):
         self.clock = clock or MonotonicClock()
         self.metrics = ServingMetrics("router", PHASES, self.snapshot, model_name=model_name)
         self._live: dict[str, Routed] = {}
+        self._units = 0                # completions (n of each live request): what --max-queued-requests counts
         self.prefilled_on_decode = 0   # requests the adaptive split sent to a decode worker whole
         self._background: dict[asyncio.Task, None] = {}   # insertion-ordered, not by id(): replayable
         monitor.on_dead = self.worker_dead
@@ -254,17 +256,32 @@ class RouterClient(EngineClient):
                                                                "rids": ",".join(failed[:8])})
 
     # -- one request -----------------------------------------------------------------------
+    def check_capacity(self, units: int, param: str) -> None:
+        """--max-queued-requests counts completions: `units` more must fit now, whole."""
+        limit = self.cfg.max_queued_requests
+        if units > limit:
+            raise OpenAIError(400, f"this request asks for {units} completions (prompts x n), more than the router "
+                              f"holds at once (--max-queued-requests {limit})", param, "too_many_completions")
+        if self._units + units > limit:
+            self.metrics.record_finish("failed", "overloaded")
+            log.warning("request refused", extra={"reason": "overloaded", "units": units, "held": self._units})
+            raise OpenAIError(503, f"the router already holds {self._units} completions and this request asks for "
+                              f"{units} (--max-queued-requests {limit}); retry later", None, "overloaded",
+                              retry_headers(503))
+
     def _admit(self, request: GenerateRequest) -> Routed:
-        if len(self._live) >= self.cfg.max_queued_requests:
+        n = request.params.n
+        if self._units + n > self.cfg.max_queued_requests:
             self.metrics.record_finish("failed", "overloaded")
             log.warning("request finished", extra={"rid": request.rid, "outcome": "failed", "reason": "overloaded",
                                                    "live": len(self._live)})
-            raise OpenAIError(503, f"the router already holds {len(self._live)} requests "
+            raise OpenAIError(503, f"the router already holds {self._units} completions "
                               "(--max-queued-requests); retry later", None, "overloaded", retry_headers(503))
         now = self.clock.now()
         routed = Routed(request.rid, len(request.prompt_ids), arrival=now, deadline=now + self.cfg.request_timeout,
-                        phase_since=now, n=request.params.n)
+                        phase_since=now, n=n)
         self._live[request.rid] = routed
+        self._units += n
         return routed
 
     def _first_pair(self, prompt_tokens: int) -> Pair:
@@ -371,7 +388,8 @@ class RouterClient(EngineClient):
 
     def _finish(self, routed: Routed) -> None:
         now = self.clock.now()
-        self._live.pop(routed.rid, None)
+        if self._live.pop(routed.rid, None) is not None:
+            self._units -= routed.n
         self.metrics.observe_phase(routed.phase, now - routed.phase_since)
         outcome, reason = routed.outcome
         self.metrics.record_finish(outcome, reason)
@@ -400,7 +418,10 @@ class RouterClient(EngineClient):
                         overdue={phase: sum(1 for r in live if r.phase == phase and now >= r.deadline)
                                  for phase in PHASES},
                         workers=[(w.url, w.role, w.up) for w in workers],
-                        counters={"kvrelay_router_prefilled_on_decode": self.prefilled_on_decode})
+                        counters={"kvrelay_router_prefilled_on_decode": self.prefilled_on_decode,
+                                  "kvrelay_router_lease_expiries": self.monitor.expired,
+                                  "kvrelay_router_loop_stalls": self.monitor.stalls.count,
+                                  "kvrelay_router_loop_stall_seconds": self.monitor.stalls.seconds})
 
     async def worker_metrics(self) -> bytes:
         """Every worker's /metrics, scraped now, with `worker` and `role` labels."""

@@ -12,9 +12,11 @@ The rules (flags in docs/operations.md "Authentication"; threat model in docs/se
    /metrics, unknown paths included, only to `Authorization: Bearer <one of the keys>`.
    Without a key it is open, as before.
 4. --protect-metrics puts /health and /metrics behind the same credential (so it needs one).
-5. --max-streams-per-key N: at most N POST requests (completions) in flight per API key,
-   from the request's start until its response has ended or its client has left; beyond
-   it 429 with Retry-After. Without API keys, every client shares one bucket.
+5. --max-streams-per-key N: at most N requests in flight per API key, from the request's
+   start until its response has ended or its client has left; beyond it 429 with
+   Retry-After. A POST counts one on arrival and, once its body is parsed, as many as it
+   asks for (`charge`: prompts x n choices), so a batch is never a way around the cap.
+   Without API keys, every client shares one bucket.
 6. A refusal is an OpenAI error body: 401 with `WWW-Authenticate: Bearer`, or 429. The
    check runs before routing and before the body is read. A presented credential is
    compared in constant time with every accepted one (`hmac.compare_digest` on SHA-256
@@ -42,6 +44,7 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 # caller's is right) or "refused" (missing or wrong). A worker reports it in /health, so
 # the router can tell that the workers expect another key than its own.
 AUTH_SCOPE = "kvrelay.auth"
+METER_SCOPE = "kvrelay.meter"   # the request's `Meter`, when its key has a --max-streams-per-key cap
 ANONYMOUS = -1   # the shared --max-streams-per-key bucket when no keys are configured
 KEYGEN_HINT = "set --cluster-key-file or KVRELAY_CLUSTER_KEY (make a key with `kvrelay keygen`)"
 
@@ -115,21 +118,27 @@ class Guard:
             await self.app(scope, receive, send)
 
     async def _metered(self, who: int, scope, receive, send) -> None:
-        held = self.in_flight.get(who, 0)
-        if held >= self.gate.max_streams:
-            whose = "all clients together (no API key is set)" if who == ANONYMOUS else f"this {self.gate.what}"
-            message = (f"{held} requests of {whose} are in flight (--max-streams-per-key "
-                       f"{self.gate.max_streams}); retry when one has finished")
-            await self._refuse(OpenAIError(429, message, None, "rate_limit_exceeded",
-                                           {"Retry-After": str(RETRY_AFTER_S)}), scope, receive, send)
+        meter = Meter(self, who)
+        try:
+            meter.take(1)
+        except OpenAIError as err:
+            await self._refuse(err, scope, receive, send)
             return
-        self.in_flight[who] = held + 1
+        scope[METER_SCOPE] = meter
         try:
             await self.app(scope, receive, send)
         finally:   # the response has ended, or the client left (the app returned or raised)
-            self.in_flight[who] -= 1
-            if not self.in_flight[who]:
-                del self.in_flight[who]
+            meter.release()
+
+    def too_many(self, who: int, held: int, asked: int, param: str | None = None) -> OpenAIError:
+        whose = "all clients together (no API key is set)" if who == ANONYMOUS else f"this {self.gate.what}"
+        cap = self.gate.max_streams
+        if asked > cap:
+            return OpenAIError(400, f"this request asks for {asked} completions (prompts x n), more than "
+                               f"--max-streams-per-key {cap} allows {whose} at once", param, "too_many_completions")
+        message = (f"{held} requests of {whose} are in flight (--max-streams-per-key {cap}); this one "
+                   f"asks for {asked}; retry when enough have finished")
+        return OpenAIError(429, message, None, "rate_limit_exceeded", {"Retry-After": str(RETRY_AFTER_S)})
 
     def _unauthorized(self, scope) -> OpenAIError:
         what = self.gate.what
@@ -142,6 +151,40 @@ class Guard:
     async def _refuse(err: OpenAIError, scope, receive, send) -> None:
         log.debug("request refused", extra={"status": err.status, "path": scope["path"]})
         await error_response(err)(scope, receive, send)
+
+
+class Meter:
+    """One request's share of its key's --max-streams-per-key bucket. One event loop:
+    checking and taking happen with no await in between."""
+
+    def __init__(self, guard: Guard, who: int) -> None:
+        self.guard, self.who, self.held = guard, who, 0
+
+    def take(self, units: int, param: str | None = None) -> None:
+        """Hold `units` more, or raise the 429 (a 400 naming `param` if they can never fit)
+        and hold nothing more."""
+        flights = self.guard.in_flight
+        held = flights.get(self.who, 0)
+        if held + units > self.guard.gate.max_streams:
+            raise self.guard.too_many(self.who, held - self.held, self.held + units, param)
+        flights[self.who] = held + units
+        self.held += units
+
+    def release(self) -> None:
+        flights = self.guard.in_flight
+        flights[self.who] -= self.held
+        self.held = 0
+        if not flights[self.who]:
+            del flights[self.who]
+
+
+def charge(scope, units: int, param: str) -> None:
+    """The request of `scope` asks for `units` completions (prompts x n): its key's bucket
+    holds that many while it runs. Raises the 429 (or a 400 naming `param`) when they do
+    not fit."""
+    meter = scope.get(METER_SCOPE)
+    if meter is not None and units > meter.held:
+        meter.take(units - meter.held, param)
 
 
 def guard(app, gate: Gate | None) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -43,10 +44,16 @@ class Tokenizing:
     def __init__(self, tok, max_model_len: int, threads: int = TOKENIZER_THREADS) -> None:
         self.tok = tok
         self.max_model_len = max_model_len
-        self.longest = longest_token(tok)
-        self.max_chars = max_model_len * self.longest
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvrelay-tokenizer")
+
+    @functools.cached_property
+    def longest(self) -> int:
+        return longest_token(self.tok)
+
+    @property
+    def max_chars(self) -> int:
+        return self.max_model_len * self.longest
 
     def _own(self):
         """This pool thread's copy of the tokenizer."""
