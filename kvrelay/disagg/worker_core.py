@@ -326,7 +326,8 @@ class WorkerCore(EngineHooks):
 
     # ---- views ---------------------------------------------------------------------------
     def queued_requests(self) -> int:
-        return sum(1 for row in self.side.live() if row["phase"] in self.QUEUED_PHASES)
+        # from the rooms' phases, not `side.live()`'s rows: the engine publishes it every iteration
+        return sum(1 for r in self.side.lc.rooms.values() if phase_name(r.phase) in self.QUEUED_PHASES)
 
     def queued_prompt_tokens(self) -> int:
         """Prompt tokens this worker has still to compute for its rooms (the router's TTFT

@@ -9,9 +9,15 @@ steps 1.8x slower). Other threads talk to it
 through `_inbox` (add, abort, call); outputs come back to each request's asyncio queue
 through `loop.call_soon_threadsafe`. An abort is handled at the top of the next
 iteration, so a disconnected client's pages are free within one scheduler step. Calls
-marked `readonly` (health, metrics, debug views) are also answered inside a long prefill
-pass, between its layers (`serve_reads`); every other command queued then waits for the
-step's end, in its order.
+marked `readonly` (debug views) are also answered inside a long prefill pass, between
+its layers (`serve_reads`); every other command queued then waits for the step's end, in
+its order.
+
+What other threads read without a command: `published`, the core's health view and
+metrics snapshot as the engine thread last published them (after every iteration, and
+between the layers of a long pass), with the engine-clock time and the iteration count.
+/health and /metrics answer from it, so a scrape never waits on, or wakes, the loop; a
+wedged loop shows as a `loop_age()` that keeps growing.
 
 One iteration (`iterate`) is the whole loop body; the thread only repeats it. The
 deterministic simulation (`kvrelay.sim`) builds an engine with `threaded=False` and calls
@@ -26,12 +32,32 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Protocol
 
+from kvrelay.core.clock import Clock
 from kvrelay.engine.core import EngineCore
 from kvrelay.engine.types import EngineClient, FinishReason, GenerateRequest, StepOutput
+from kvrelay.obs.metrics import Snapshot
 
 log = logging.getLogger("kvrelay.engine")
+
+# The metrics snapshot is taken again at most this often (engine clock): it costs O(live
+# requests) on the engine thread, and /metrics renders at most every metrics.RENDER_CACHE_S
+# anyway. The health view (the router's load figures, loop_age) is published every time.
+SNAPSHOT_PERIOD = 0.05
+
+
+@dataclass(frozen=True)
+class Published:
+    """What the engine thread last published for other threads: replaced whole, never
+    changed, so a reader gets a consistent view from one attribute read (atomic under the
+    GIL). Invariant: every field was read on the engine thread between steps or between
+    the layers of a pass, where a readonly call would have run."""
+    at: float                # the engine's clock (`core.clock`) when it was published
+    iterations: int          # loop iterations completed by then
+    health: dict | None      # `core.health()` (worker cores; a fresh dict, never changed); else None
+    snapshot: Snapshot       # `core.snapshot()`, taken at most SNAPSHOT_PERIOD before `at`
 
 
 class LoopCore(Protocol):
@@ -40,6 +66,7 @@ class LoopCore(Protocol):
     on the engine thread, except `validate` and `final_outputs`, which read fixed state."""
     loaded: object            # the model (name, tokenizer, compute info)
     max_model_len: int
+    clock: Clock              # the time `published` is stamped with (the simulation's SimClock)
     serve_reads: Callable[[], None] | None   # installed here: read-only calls, answered between layers
 
     @property
@@ -75,6 +102,10 @@ class LoopCore(Protocol):
     def check_idle(self) -> None:
         """Raise AssertionError unless nothing is live and every page is free."""
 
+    def snapshot(self) -> Snapshot:
+        """The metrics view of the live state (read-only; published, see `Published`).
+        A core with a health view (a worker core) also has `health() -> dict`."""
+
 
 def _sink_for(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> Callable[[StepOutput], None]:
     def sink(out: StepOutput) -> None:
@@ -98,8 +129,13 @@ class AsyncEngine(EngineClient):
         self._idle_wait = idle_wait
         self._stop = threading.Event()
         self._threaded = threaded
+        self.iterations = 0
+        self._snapshot: Snapshot | None = None   # the last one taken, and when (engine clock)
+        self._snapshot_at = -float("inf")
+        self._publish_failed = False
         if not threaded:
             self.core: LoopCore = build_core()
+            self.published: Published = self._views()
         else:
             built: concurrent.futures.Future = concurrent.futures.Future()
             self._thread = threading.Thread(target=self._main, args=(build_core, built), name="kvrelay-engine",
@@ -116,10 +152,11 @@ class AsyncEngine(EngineClient):
     def _main(self, build_core: Callable[[], LoopCore], built: concurrent.futures.Future) -> None:
         try:
             self.core = build_core()
+            self.core.serve_reads = self.serve_reads
+            self.published = self._views()
         except BaseException as exc:
             built.set_exception(exc)
             return
-        self.core.serve_reads = self.serve_reads
         built.set_result(self.core)
         self._loop()
 
@@ -134,15 +171,45 @@ class AsyncEngine(EngineClient):
         steps every iteration). Returns False if it raised.
         Invariant: nothing a request or a command does ends the loop. An iteration that
         raises (a forward pass failing is already handled inside `step`) fails every live
-        request with internal_error, so none waits on a loop that may keep failing."""
+        request with internal_error, so none waits on a loop that may keep failing.
+        Either way it ends by publishing (`published`)."""
         try:
             self._drain(block)
             self.core.step()
-            return True
+            ok = True
         except Exception as exc:
             log.exception("engine iteration failed")
             self._fail_all(f"internal_error: {exc}")
-            return False
+            ok = False
+        self.iterations += 1
+        self._publish()
+        return ok
+
+    def _publish(self) -> None:
+        """On the engine thread: replace `published`. Invariant: never raises into the
+        loop; a view that raises publishes nothing, so `loop_age()` grows and the router
+        drops this worker as it would one whose loop hung (logged once per failing run)."""
+        try:
+            self.published = self._views()
+        except Exception:
+            if not self._publish_failed:
+                log.exception("publishing the engine's views failed; its published state grows old")
+            self._publish_failed = True
+            return
+        self._publish_failed = False
+
+    def _views(self) -> Published:
+        """The core's views now; the last snapshot again if younger than SNAPSHOT_PERIOD."""
+        now = self.core.clock.now()
+        if now - self._snapshot_at >= SNAPSHOT_PERIOD:
+            self._snapshot, self._snapshot_at = self.core.snapshot(), now
+        health = self.core.health() if hasattr(self.core, "health") else None
+        return Published(now, self.iterations, health, self._snapshot)
+
+    def loop_age(self, view: Published | None = None) -> float:
+        """Seconds (engine clock) since the engine thread published `view` (default: the
+        latest). Any thread."""
+        return max(0.0, self.core.clock.now() - (view or self.published).at)
 
     def _fail_all(self, error: str) -> None:
         """After an iteration raised outside a forward pass: every live request ends now
@@ -195,8 +262,9 @@ class AsyncEngine(EngineClient):
                 fut.set_exception(exc)
 
     def serve_reads(self) -> None:
-        """On the engine thread, inside a step: run the queued read-only calls now and
-        keep every other command for the step's end (`_drain`), in order."""
+        """On the engine thread, inside a step: publish, run the queued read-only calls
+        now and keep every other command for the step's end (`_drain`), in order."""
+        self._publish()
         while True:
             try:
                 cmd = self._inbox.get_nowait()

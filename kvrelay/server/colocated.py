@@ -17,8 +17,7 @@ PHASES = ("waiting", "running")
 
 def colocated_app(engine: AsyncEngine, gate: Gate | None = None, allowed_origins: tuple[str, ...] = ()):
     """The API of one engine, with /metrics and /debug/requests, behind `gate`; CORS for `allowed_origins`."""
-    metrics = ServingMetrics("colocated", PHASES,
-                             lambda: engine.call(lambda core: core.snapshot(), timeout=10, readonly=True))
+    metrics = ServingMetrics("colocated", PHASES, lambda: engine.published.snapshot)
     engine.core.metrics = metrics  # set before the first request is served
 
     async def debug_rows() -> list[dict]:

@@ -1,8 +1,13 @@
 """`/metrics` (Prometheus), `/metrics/workers` (the router's re-export of its workers'
-series) and `/debug/requests` routes, shared by every serving mode."""
+series) and `/debug/requests` routes, shared by every serving mode.
+
+Both metrics routes are cheap under a flood of scrapes: `/metrics` renders at most once
+per RENDER_CACHE_S (`ServingMetrics.render`), and `/metrics/workers` fetches every
+worker at most once per RENDER_CACHE_S, one fan-out at a time (`SharedFetch`)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Awaitable, Callable
 
 import httpx
@@ -10,9 +15,37 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client.core import GaugeMetricFamily
 
-from kvrelay.obs.metrics import CONTENT_TYPE, ServingMetrics, parse_families, render_families
+from kvrelay.obs.metrics import CONTENT_TYPE, RENDER_CACHE_S, ServingMetrics, parse_families, render_families
 
 WORKERS_PATH = "/metrics/workers"
+
+
+class SharedFetch:
+    """An async fetch shared by its callers: at most one in flight, however many wait, and
+    its result kept for `ttl` seconds from the fetch's start. A caller that leaves does
+    not cancel it for the others; a fetch that raises is not kept (each waiter gets it)."""
+
+    def __init__(self, fetch: Callable[[], Awaitable[bytes]], ttl: float = RENDER_CACHE_S) -> None:
+        self.fetch, self.ttl = fetch, ttl
+        self._kept: tuple[float, bytes] | None = None   # (monotonic time its fetch began, result)
+        self._running: asyncio.Future | None = None
+
+    async def get(self) -> bytes:
+        kept = self._kept
+        if kept is not None and time.monotonic() - kept[0] < self.ttl:
+            return kept[1]
+        if self._running is None:
+            self._running = asyncio.ensure_future(self._refresh())
+        return await asyncio.shield(self._running)
+
+    async def _refresh(self) -> bytes:
+        began = time.monotonic()
+        try:
+            result = await self.fetch()
+            self._kept = (began, result)
+            return result
+        finally:
+            self._running = None
 
 
 def observability_router(metrics: ServingMetrics,
@@ -26,13 +59,17 @@ def observability_router(metrics: ServingMetrics,
 
     @router.get("/metrics")
     async def prometheus() -> Response:
-        # Rendering reads live state (possibly waiting for a scheduler step): off the event loop.
-        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
+        # A kept exposition answers on the event loop; a render (pure Python over a
+        # snapshot that never blocks, a few ms) runs off it.
+        text = metrics.cached() or await asyncio.to_thread(metrics.render)
+        return Response(text, media_type=CONTENT_TYPE)
 
     if worker_metrics is not None:
+        shared = SharedFetch(worker_metrics)
+
         @router.get(WORKERS_PATH)
         async def workers() -> Response:
-            return Response(await worker_metrics(), media_type=CONTENT_TYPE)
+            return Response(await shared.get(), media_type=CONTENT_TYPE)
 
     @router.get("/debug/requests")
     async def requests() -> JSONResponse:

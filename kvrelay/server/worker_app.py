@@ -2,8 +2,10 @@
 steps the lifecycle and heartbeats its peers), and the HTTP endpoints the router calls
 (protocol in `server.worker_protocol`).
 
-Every route reads worker state through `AsyncEngine.call`, i.e. on the engine thread
-between steps: a worker whose loop hangs stops answering /health, and the router drops it.
+/health and /metrics read what the engine thread last published (`AsyncEngine.published`)
+and never wait on, or wake, the loop: a worker whose loop hangs answers /health with a
+`loop_age` that keeps growing, and the router drops it. Every other route reads and
+changes worker state through `AsyncEngine.call`, on the engine thread between steps.
 
 Who may call it (`server.security`): with a cluster key, every route but /health and
 /metrics needs the router's token; without one, the worker listens on loopback only.
@@ -63,8 +65,7 @@ def worker_app(engine: AsyncEngine, metrics: ServingMetrics, faults: bool = Fals
 
     @routes.get("/health")
     async def health(request: Request) -> dict:
-        view = await on_engine(lambda c: c.health(), timeout=10.0, readonly=True)
-        return WorkerHealth(**view, auth=request.scope.get(AUTH_SCOPE, "off")).model_dump()
+        return health_body(engine, request.scope.get(AUTH_SCOPE, "off")).model_dump()
 
     async def set_faults(body: FaultsRequest) -> dict:
         """Replace this worker's fault-injection spec at run time (chaos tests, drills);
@@ -85,6 +86,18 @@ def worker_app(engine: AsyncEngine, metrics: ServingMetrics, faults: bool = Fals
     app.include_router(routes)
     app.include_router(observability_router(metrics, debug_view))
     return app
+
+
+def health_body(engine: AsyncEngine, auth: str = "off", stale_after: float | None = None) -> WorkerHealth:
+    """/health's answer: the health view the engine thread last published, with its age
+    (`loop_age`, engine clock) and iteration count. Never waits on the loop. `stale_after`
+    (the simulation's router, until the router judges `loop_age` itself): a view older
+    than that raises TimeoutError, as the check that waited on a hung loop did."""
+    view = engine.published
+    age = engine.loop_age(view)
+    if stale_after is not None and age > stale_after:
+        raise TimeoutError(f"the engine last published {age:.3f} s ago")
+    return WorkerHealth(**view.health, loop_age=age, iterations=view.iterations, auth=auth)
 
 
 def prepare_leg(core: WorkerCore, body: LegRequest) -> tuple[GenerateRequest, dict]:
@@ -135,7 +148,7 @@ def serve_worker(config: KVRelayConfig, role: str) -> None:
     check_tls(config.security)
     setup_logging(config.server.log_level)
     cls = CORES[role]
-    metrics = ServingMetrics(role, cls.PHASES, lambda: engine.call(lambda c: c.snapshot(), timeout=10, readonly=True))
+    metrics = ServingMetrics(role, cls.PHASES, lambda: engine.published.snapshot)
 
     def build_core() -> WorkerCore:  # on the engine thread: it alone touches torch
         loaded = load_with_progress(load_model, config.model)

@@ -10,7 +10,7 @@ Worker endpoints (prefill and decode alike):
                      "error"/"abort" with `error` = "<reason code>: <detail>".
                      Closing the stream early aborts the leg.
     POST /abort      AbortRequest -> {"aborted": bool}
-    GET  /health     -> WorkerHealth (load figures for pairing)
+    GET  /health     -> WorkerHealth (load figures for pairing, and how old they are)
     GET  /metrics, GET /debug/requests
     POST /debug/faults FaultsRequest -> replaces the worker's fault-injection spec (served only
                      with --enable-fault-injection, on loopback)
@@ -187,6 +187,15 @@ class WorkerHealth(BaseModel):
     # Whether the caller's credential was right (`security.AUTH_SCOPE`): "off" (the worker
     # has no cluster key), "ok", or "refused" (the worker expects another cluster key).
     auth: Literal["off", "ok", "refused"] = "off"
+    # Every field but `auth` is what the worker's engine thread last published (after each
+    # loop iteration, and between the layers of a long prefill pass); /health answers from
+    # it without waiting on the loop. `loop_age`: seconds since then, on the worker's own
+    # monotonic clock: near 0 on a live loop, growing on a hung one, so a view older than
+    # --health-timeout means what an unanswered check did. `iterations`: loop iterations
+    # the engine had completed then (from 0 in each incarnation). An older worker, which
+    # answered on its engine thread, sends neither: 0 and 0.
+    loop_age: float = Field(0.0, ge=0, allow_inf_nan=False)
+    iterations: int = Field(0, ge=0)
 
 
 def _finite(x: float) -> float | None:

@@ -31,7 +31,7 @@ from kvrelay.engine.engine import AsyncEngine
 from kvrelay.engine.scheduler import StepCosts
 from kvrelay.engine.types import StepOutput
 from kvrelay.server.router import RouterClient
-from kvrelay.server.worker_app import leg_outputs, prepare_leg
+from kvrelay.server.worker_app import health_body, leg_outputs, prepare_leg
 from kvrelay.server.worker_client import ABORT_TIMEOUT, PEER_FAILED, LegFailure, LegLines, WorkerMonitor
 from kvrelay.server.pairing import WorkerTable
 from kvrelay.server.worker_protocol import LegRequest, WorkerHealth, output_from_json, output_to_json
@@ -293,13 +293,15 @@ class SimWorkerAPI:
             await self._connected(w, url, self.cfg.health_timeout)
         except LegFailure:   # as WorkerAPI.health: a connect that timed out is lateness
             raise TimeoutError(f"{url}: ConnectTimeout") from None
+        # The worker app's own answer (the view its engine last published); a view older
+        # than --health-timeout counts as the check timing out, as it did when the check
+        # waited on the loop (a frozen worker)
         try:
-            view = await w.engine.acall(lambda c: c.health(), timeout=self.cfg.health_timeout, readonly=True)
+            return health_body(w.engine, "off", stale_after=self.cfg.health_timeout)
         except TimeoutError:
             raise TimeoutError(f"{url}: ReadTimeout") from None   # as WorkerAPI.health: accepted, no answer
-        except AttributeError:
+        except AttributeError:   # it crashed during the hop
             raise LegFailure(PEER_FAILED, f"{url}: ReadTimeout", url, broken=True) from None
-        return WorkerHealth(**view, auth="off")
 
     async def debug_requests(self, url: str) -> dict:
         try:
