@@ -365,7 +365,8 @@ def test_decode_side_carries_the_grammar_on_from_the_first_token(tiny_loaded, fi
         text = "".join(o.text for o in outs)
         assert text.startswith('{"a": ') and len(outs) == 6   # six tokens, every one inside the grammar
     else:
-        assert len(outs) == 1 and "grammar refused" in outs[-1].error
+        # sampled outside the grammar (P and D disagreeing): a bug, not the request's fault
+        assert len(outs) == 1 and outs[-1].error.startswith("internal_error: the grammar refused")
     core.check_idle()
 
 

@@ -172,6 +172,9 @@ class WorkerCore(EngineHooks):
     def validate(self, greq: GenerateRequest) -> None:
         self.engine.validate(greq)
 
+    async def prepare(self, greq: GenerateRequest) -> object:
+        return await self.engine.prepare(greq)
+
     def final_outputs(self, greq: GenerateRequest) -> int:
         return self.engine.final_outputs(greq)
 

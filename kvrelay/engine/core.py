@@ -21,7 +21,7 @@ from kvrelay.core.kvlayout import KVLayout
 from kvrelay.engine.allocator import PageAllocator
 from kvrelay.engine.core_share import IDLE_REFRESH, YIELD_POLL, CoreShare
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
-from kvrelay.engine.grammar import GrammarCompiler
+from kvrelay.engine.grammar import Compiled, GrammarCompiler
 from kvrelay.engine.hooks import EngineHooks, PassProgress
 from kvrelay.engine.host_load import OtherLoad
 from kvrelay.engine.kv_pool import kv_pool_for
@@ -94,7 +94,7 @@ class EngineCore:
         # The engine thread detokenizes with its own copy: a Rust tokenizer must not be
         # used from two threads at once, and the server encodes on its event loop.
         self._tokenizer = copy.deepcopy(loaded.tokenizer)
-        # Compiles in `validate` (the caller's thread, where loaded.tokenizer is used) and
+        # Builds the llguidance tokenizer now, compiles in threads of its own (`prepare`) and
         # hands the engine thread copies of the compiled matchers.
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.arch.vocab_size, loaded.eos_token_ids)
         self._sinks: dict[str, Sink] = {}
@@ -162,8 +162,16 @@ class EngineCore:
                 f"prompt ({n}) + max_tokens ({params.max_tokens}) needs more KV than the whole pool holds "
                 f"({self.capacity_tokens} tokens); lower max_tokens or raise --max-kv-tokens", param="max_tokens")
         self._validate_n(n, params)
-        if params.grammar is not None:
-            self.grammars.compile(params.grammar)   # cached; a bad grammar raises here
+        if params.grammar is not None and self.grammars.unavailable:
+            raise RequestRejected(self.grammars.unavailable, param="grammar")
+
+    async def prepare(self, greq: GenerateRequest) -> Compiled | None:
+        """Compile `greq`'s grammar off the engine thread and off the caller's loop (any
+        loop; no suspension without a grammar). RequestRejected if the grammar is refused or
+        not compiled in time. The caller holds the result until the request ends, so the
+        engine thread finds it compiled (`GrammarCompiler.matcher`)."""
+        spec = greq.params.grammar
+        return None if spec is None else await self.grammars.prepare(spec)
 
     def _validate_n(self, prompt_len: int, params) -> None:
         if not 1 <= params.n <= min(MAX_N, self.scheduler.config.max_running_requests):
@@ -447,8 +455,8 @@ class EngineCore:
         out.text = text
         p = req.params
         grammar = req.sampling.grammar
-        if grammar is not None and grammar.error:   # a token its grammar refused: never sampled here
-            self._finish(req, FinishReason.ERROR, f"internal_error: the grammar refused token {tok}: {grammar.error}")
+        if grammar is not None and grammar.error:   # a limit its grammar reached, or a token it refused
+            self._finish(req, FinishReason.ERROR, grammar.failure(tok))
             return out
         reason = None
         if stopped or (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids \

@@ -63,7 +63,8 @@ class Published:
 class LoopCore(Protocol):
     """What the engine thread drives: `EngineCore` (colocated), or a disaggregated worker
     core, which holds an `EngineCore` and steps its lifecycle beside it. Everything runs
-    on the engine thread, except `validate` and `final_outputs`, which read fixed state."""
+    on the engine thread, except `validate` and `final_outputs`, which read fixed state,
+    and `prepare`, which runs on the caller's loop and compiles in threads of its own."""
     loaded: object            # the model (name, tokenizer, compute info)
     max_model_len: int
     clock: Clock              # the time `published` is stamped with (the simulation's SimClock)
@@ -83,6 +84,11 @@ class LoopCore(Protocol):
 
     def validate(self, greq: GenerateRequest) -> None:
         """Raise RequestRejected if `greq` can never be served here."""
+
+    async def prepare(self, greq: GenerateRequest) -> object:
+        """What `greq` needs before it is queued, made off the engine thread and off the
+        caller's loop (its grammar, compiled); RequestRejected if that fails. The caller
+        holds the result until the request ends."""
 
     def final_outputs(self, greq: GenerateRequest) -> int:
         """How many final outputs `greq`'s sink gets."""
@@ -295,6 +301,7 @@ class AsyncEngine(EngineClient):
     async def generate(self, request: GenerateRequest, **add_kwargs) -> AsyncIterator[StepOutput]:
         """`add_kwargs` go to `core.add` (a worker core's room, peer address, ...)."""
         self.core.validate(request)
+        prepared = await self.prepare(request)   # its compiled grammar: held until the request ends
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
         added: concurrent.futures.Future = concurrent.futures.Future()
@@ -313,6 +320,13 @@ class AsyncEngine(EngineClient):
         finally:
             if not finished:
                 self._inbox.put(("abort", request.rid))
+            del prepared   # the engine thread copied every matcher it needs before the first output
+
+    async def prepare(self, request: GenerateRequest) -> object:
+        """`core.prepare`: a grammar compiled off the engine thread and off this loop; a
+        refused one raises RequestRejected. `generate` runs it; a handler that must answer
+        a refusal before it streams awaits it first (the second call finds it cached)."""
+        return await self.core.prepare(request)
 
     async def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))

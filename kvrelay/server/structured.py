@@ -6,6 +6,11 @@ At most one field constrains the output: `response_format` (json_object, json_sc
 vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, or a
 `tool_choice` of "required" or a named function; two are a 400 naming the second.
 
+A constraint llguidance refuses is a 400 naming its field. `plan` checks it on the event
+loop only while that is cheap (`grammar_spec.INLINE_CHECK_CHARS`); `aplan` checks a longer
+one in a thread. A longer one that only `plan` saw is refused by the engine's compilation
+(off the loop too), with a 400 naming `grammar`.
+
 Tool calls (docs/structured-outputs.md):
 - required: the output is constrained to `[{"name": ..., "arguments": {...}}, ...]`
   (one item without `parallel_tool_calls`), each item a call of one tool with arguments
@@ -22,13 +27,13 @@ from __future__ import annotations
 import copy
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from kvrelay.engine.grammar_spec import MAX_GRAMMAR_CHARS, check_spec
+from kvrelay.engine.grammar_spec import INLINE_CHECK_CHARS, MAX_GRAMMAR_CHARS, check_spec, check_spec_async
 from kvrelay.engine.types import GrammarSpec
 from kvrelay.server.errors import invalid, is_text
 from kvrelay.server.tool_calls import (TOOL_CALL_CLOSE, TOOL_CALL_OPEN, CallArray, HermesCalls, NamedCall,
@@ -164,6 +169,8 @@ class ToolPlan:
 class Structured:
     grammar: GrammarSpec | None = None
     tools: ToolPlan = field(default_factory=lambda: ToolPlan("none"))
+    param: str | None = None      # the request field `grammar` came from
+    checked: bool = True          # llguidance has accepted `grammar` (see `aplan`)
 
 
 def plan(body: BaseModel) -> Structured:
@@ -185,11 +192,26 @@ def plan(body: BaseModel) -> Structured:
     if len(spec.value) > MAX_GRAMMAR_CHARS:
         raise invalid(f"{param}: the grammar is {len(spec.value)} characters long; at most "
                       f"{MAX_GRAMMAR_CHARS} are allowed", param)
-    error = check_spec(spec)
+    inline = len(spec.value) <= INLINE_CHECK_CHARS   # ~2 ms at most on the loop
+    if inline:
+        _refuse(param, check_spec(spec))
+    return Structured(spec, tools, param, checked=inline)
+
+
+async def aplan(body: BaseModel) -> Structured:
+    """`plan`, with a grammar too long to check on the event loop checked in a thread:
+    every grammar llguidance refuses is a 400 naming its field."""
+    structured = plan(body)
+    if structured.checked:
+        return structured
+    _refuse(structured.param or "grammar", await check_spec_async(structured.grammar))
+    return replace(structured, checked=True)
+
+
+def _refuse(param: str, error: str) -> None:
     if error:
         what = "tools: a tool's parameters" if param == "tool_choice" else param
         raise invalid(f"{what}: cannot be enforced: {error}", "tools" if param == "tool_choice" else param)
-    return Structured(spec, tools)
 
 
 def _grammar_sources(body: BaseModel) -> list[tuple[str, GrammarSpec]]:

@@ -55,6 +55,7 @@ def worker_app(engine: AsyncEngine, metrics: ServingMetrics, faults: bool = Fals
     @routes.post("/generate")
     async def generate(body: LegRequest) -> StreamingResponse:
         greq, kwargs = prepare_leg(core, body)
+        await engine.prepare(greq)   # its grammar, compiled off this loop: a refused one is this 400
         # the leg's rid (validated by LegRequest) names it in this worker's access line
         return StreamingResponse(_lines(engine, greq, kwargs), media_type="application/x-ndjson",
                                  headers={"X-Request-Id": body.rid})
