@@ -128,7 +128,7 @@ async def stream_tokens(engine: AsyncEngine, greq: GenerateRequest, started: asy
 
 async def test_the_lexer_limit_grammar_is_a_400_while_four_streams_end_normally(app, tiny_engine):
     """Four streams run; the lexer-limit grammar (whole and streamed) gets a 400 naming
-    `grammar`, never a 500, while the engine keeps sampling for the streams; a JSON schema
+    the request field it came in, never a 500, while the engine keeps sampling for the streams; a JSON schema
     request beside them still validates; every stream ends with all its tokens."""
     got: list[list] = [[] for _ in range(4)]
     started = [asyncio.Event() for _ in range(4)]
@@ -142,7 +142,7 @@ async def test_the_lexer_limit_grammar_is_a_400_while_four_streams_end_normally(
             for stream in (False, True):
                 r = await c.post("/v1/completions", json={"prompt": "a", "max_tokens": 8, "stream": stream,
                                                           "guided_regex": LEXER_LIMIT})
-                message = assert_400(r, "grammar")
+                message = assert_400(r, "guided_regex")
                 assert r.json()["error"]["code"] == "invalid_request"
                 assert "structured-output limits" in message and "lexer" in message, message
             sampled_meanwhile = await tiny_engine.acall(lambda c: c.tokens_sampled) - sampled
@@ -245,7 +245,7 @@ async def test_the_loop_checks_only_short_grammars_and_aplan_checks_the_rest(app
         r = await c.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
             "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": bad}}})
-    assert "uniqueItems" in assert_400(r, "grammar")
+    assert "uniqueItems" in assert_400(r, "response_format")
     tiny_engine.check_idle()
 
 

@@ -16,7 +16,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.routing import BaseRoute
 
-from kvrelay.engine.types import EngineClient, FinishReason, GenerateRequest, StepOutput
+from kvrelay.engine.types import EngineClient, FinishReason, GenerateRequest, RequestRejected, StepOutput
 from kvrelay.server import http_headers, structured
 from kvrelay.server.errors import (SafeJSONResponse, from_failed_output, install_handlers, invalid,
                                    model_not_found)
@@ -110,7 +110,8 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_common(body)
         rid = http_headers.request_rid("cmpl", request.scope)
-        grammar = structured.plan(body).grammar
+        plan = await structured.aplan(body)
+        grammar = plan.grammar
         prompts = body.prompts()
         greqs, echoes = [], []
         for i, prompt in enumerate(prompts):
@@ -123,19 +124,21 @@ class OpenAIServing:
                 echoes += [prompt if isinstance(prompt, str) else await self.tokenizing.decode(ids)] * body.n
         render = CompletionRenderer(rid, self.client.model_name, self.piece, body.logprobs is not None,
                                     len(prompts) * body.n, echoes or None)
-        return await self._serve(greqs, render, request, body.stream, body.include_usage, body.continuous_usage)
+        return await self._serve(greqs, render, request, body.stream, body.include_usage, body.continuous_usage,
+                                 plan.param)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._check_common(body)
         logprobs = body.engine_logprobs()
-        plan = structured.plan(body)
+        plan = await structured.aplan(body)
         ids = await self.chat_prompt_ids(body)
         max_tokens = self._max_tokens(body.requested_max_tokens(), len(ids), None, "messages")
         greq = GenerateRequest(http_headers.request_rid("chatcmpl", request.scope), tuple(ids),
                                dataclasses.replace(body.sampling_params(max_tokens, logprobs), grammar=plan.grammar),
                                whole=not body.stream)
         render = ChatRenderer(greq.rid, self.client.model_name, self.piece, logprobs is not None, body.n, plan.tools)
-        return await self._serve([greq], render, request, body.stream, body.include_usage, body.continuous_usage)
+        return await self._serve([greq], render, request, body.stream, body.include_usage, body.continuous_usage,
+                                 plan.param)
 
     # -- checks that pydantic cannot make --------------------------------------------------
     def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -179,7 +182,18 @@ class OpenAIServing:
 
     # -- running the request --------------------------------------------------------------
     async def _serve(self, greqs: list[GenerateRequest], render: Renderer, request: Request, stream: bool,
-                     include_usage: bool, continuous_usage: bool = False):
+                     include_usage: bool, continuous_usage: bool = False, grammar_param: str | None = None):
+        """`grammar_param`: the request field the grammar came from, which a refusal of
+        the grammar by the engine or a worker names."""
+        try:
+            return await self._respond(greqs, render, request, stream, include_usage, continuous_usage)
+        except RequestRejected as exc:
+            if exc.param == "grammar" and grammar_param:
+                raise RequestRejected(str(exc), grammar_param, exc.code) from None
+            raise
+
+    async def _respond(self, greqs: list[GenerateRequest], render: Renderer, request: Request, stream: bool,
+                       include_usage: bool, continuous_usage: bool):
         units = sum(g.params.n for g in greqs)   # every limit counts each completion
         param = "prompt" if len(greqs) > 1 else "n"
         charge(request.scope, units, param)
