@@ -92,9 +92,7 @@ def test_health_and_metrics_read_the_published_state_and_put_nothing_on_the_inbo
 
         clock.advance(0.75)   # the loop stops: its view grows old, and says so
         assert get_all(app, ["/health"])[0].json()["loop_age"] == pytest.approx(0.75)
-        assert health_body(engine, stale_after=1.0).loop_age == pytest.approx(0.75)
-        with pytest.raises(TimeoutError):
-            health_body(engine, stale_after=0.5)   # the simulation's router: a check that timed out
+        assert health_body(engine).loop_age == pytest.approx(0.75)
         assert inbox.puts == 0
 
         engine.core.abort("leg-1")

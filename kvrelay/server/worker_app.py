@@ -89,15 +89,12 @@ def worker_app(engine: AsyncEngine, metrics: ServingMetrics, faults: bool = Fals
     return app
 
 
-def health_body(engine: AsyncEngine, auth: str = "off", stale_after: float | None = None) -> WorkerHealth:
+def health_body(engine: AsyncEngine, auth: str = "off") -> WorkerHealth:
     """/health's answer: the health view the engine thread last published, with its age
-    (`loop_age`, engine clock) and iteration count. Never waits on the loop. `stale_after`
-    (the simulation's router, until the router judges `loop_age` itself): a view older
-    than that raises TimeoutError, as the check that waited on a hung loop did."""
+    (`loop_age`, engine clock) and iteration count. Never waits on the loop; the router
+    judges the age (`WorkerMonitor.check`)."""
     view = engine.published
     age = engine.loop_age(view)
-    if stale_after is not None and age > stale_after:
-        raise TimeoutError(f"the engine last published {age:.3f} s ago")
     return WorkerHealth(**view.health, loop_age=age, iterations=view.iterations, auth=auth)
 
 

@@ -240,7 +240,7 @@ class WorkerMonitor:
             self.failed(url, f"reports role {health.role}, but was given as a {role} worker")
         elif self.model is not None and health.model != self.model:
             self.failed(url, f"serves model {health.model}, not {self.model}")
-        elif getattr(health, "loop_age", 0.0) > self.cfg.health_timeout:   # TEMP until WorkerHealth has it
+        elif health.loop_age > self.cfg.health_timeout:
             self._slow(url, f"its scheduler loop last ran {health.loop_age:.1f} s ago")
         else:
             change = self.table.mark_ok(url, health)

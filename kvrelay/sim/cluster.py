@@ -35,6 +35,8 @@ from kvrelay.server.worker_app import health_body, leg_outputs, prepare_leg
 from kvrelay.server.worker_client import ABORT_TIMEOUT, PEER_FAILED, LegFailure, LegLines, WorkerMonitor
 from kvrelay.server.pairing import WorkerTable
 from kvrelay.server.worker_protocol import LegRequest, WorkerHealth, output_from_json, output_to_json
+from kvrelay.sim.faults import ROUTER
+from kvrelay.sim.loop import in_process
 
 CORES = {"prefill": PrefillCore, "decode": DecodeCore}
 
@@ -122,7 +124,8 @@ class SimWorker:
         m.land_delay = sim.land_delay
         self.state = "up"
         self.incarnations += 1
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"sim-{self.name}")
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"sim-{self.name}",
+                                                            context=in_process(self.name))
 
     async def _run(self) -> None:
         engine, runner = self.engine, self.core.engine.runner
@@ -231,7 +234,8 @@ class SimWorkerAPI:
         greq, kwargs = prepare_leg(engine.core, leg)   # RequestRejected: the worker's 400
         lines: asyncio.Queue = asyncio.Queue()
         stream = _Stream(asyncio.current_task())
-        stream.server = asyncio.get_running_loop().create_task(self._serve(engine, greq, kwargs, lines))
+        stream.server = asyncio.get_running_loop().create_task(self._serve(engine, greq, kwargs, lines),
+                                                               context=in_process(w.name))
         w.streams[stream] = None
         ends = LegLines(leg)
         try:
@@ -293,13 +297,10 @@ class SimWorkerAPI:
             await self._connected(w, url, self.cfg.health_timeout)
         except LegFailure:   # as WorkerAPI.health: a connect that timed out is lateness
             raise TimeoutError(f"{url}: ConnectTimeout") from None
-        # The worker app's own answer (the view its engine last published); a view older
-        # than --health-timeout counts as the check timing out, as it did when the check
-        # waited on the loop (a frozen worker)
+        # The worker app's own answer: the view its engine last published, with its age (a
+        # frozen worker's grows; the router judges it, `WorkerMonitor.check`)
         try:
-            return health_body(w.engine, "off", stale_after=self.cfg.health_timeout)
-        except TimeoutError:
-            raise TimeoutError(f"{url}: ReadTimeout") from None   # as WorkerAPI.health: accepted, no answer
+            return health_body(w.engine, "off")
         except AttributeError:   # it crashed during the hop
             raise LegFailure(PEER_FAILED, f"{url}: ReadTimeout", url, broken=True) from None
 
@@ -327,7 +328,8 @@ class SimRouter:
         model, max_model_len = await self.monitor.wait_ready(timeout, self.clock)
         self.client = RouterClient(self.cfg, self.table, self.api, self.monitor, self.tokenizer, model,
                                    max_model_len, self.clock)
-        self._health = asyncio.get_running_loop().create_task(self.monitor.run(), name="sim-health")
+        self._health = asyncio.get_running_loop().create_task(self.monitor.run(), name="sim-health",
+                                                              context=in_process(ROUTER))
 
     async def close(self) -> None:
         if self._health is not None:
