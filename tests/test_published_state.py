@@ -26,7 +26,7 @@ from kvrelay.engine.types import GenerateRequest, SamplingParams
 from kvrelay.obs import metrics as obs_metrics
 from kvrelay.obs.metrics import RENDER_CACHE_S, ServingMetrics, Snapshot
 from kvrelay.server.observe import SharedFetch, observability_router, scrape_workers
-from kvrelay.server.worker_app import health_body, worker_app
+from kvrelay.server.worker_app import LOOP_STALLED_S, health_body, worker_app
 
 KV = KVCacheConfig(page_size=16, max_kv_tokens=1024)
 SCHED = SchedulerConfig(max_running_requests=8, max_prefill_tokens=256)
@@ -93,12 +93,17 @@ def test_health_and_metrics_read_the_published_state_and_put_nothing_on_the_inbo
         clock.advance(0.75)   # the loop stops: its view grows old, and says so
         assert get_all(app, ["/health"])[0].json()["loop_age"] == pytest.approx(0.75)
         assert health_body(engine).loop_age == pytest.approx(0.75)
+        clock.advance(LOOP_STALLED_S)   # long enough for a probe that reads only the status
+        stalled = get_all(app, ["/health"])[0]
+        assert stalled.status_code == 503 and stalled.json()["status"] == "stalled"
         assert inbox.puts == 0
 
         engine.core.abort("leg-1")
         clock.advance(2 * SNAPSHOT_PERIOD)
         engine.iterate()
-        body = get_all(app, ["/health"])[0].json()
+        answer = get_all(app, ["/health"])[0]
+        body = answer.json()
+        assert answer.status_code == 200 and body["status"] == "ok"
         assert (body["live_requests"], body["iterations"], body["loop_age"]) == (0, 2, 0.0)
         engine.core.check_idle()
     finally:

@@ -352,7 +352,9 @@ class WorkerCore(EngineHooks):
         return Snapshot(phases=phases, overdue=overdue, engine=self.engine.engine_stats(running, waiting),
                         counters={"kvrelay_transfer_bytes": m.bytes_written,
                                   "kvrelay_transfer_ahead_bytes": m.bytes_ahead,
-                                  "kvrelay_transfer_seconds": m.write_seconds},
+                                  "kvrelay_transfer_seconds": m.write_seconds,
+                                  "kvrelay_worker_loop_stalls": self.side.stalls.count,
+                                  "kvrelay_worker_loop_stall_seconds": self.side.stalls.seconds},
                         gauges={"kvrelay_kv_pages_quarantined": self.side.quarantined_pages()})
 
     def debug_view(self) -> dict:

@@ -4,7 +4,9 @@ steps the lifecycle and heartbeats its peers), and the HTTP endpoints the router
 
 /health and /metrics read what the engine thread last published (`AsyncEngine.published`)
 and never wait on, or wake, the loop: a worker whose loop hangs answers /health with a
-`loop_age` that keeps growing, and the router drops it. Every other route reads and
+`loop_age` that keeps growing, and the router drops it once that passes --health-timeout;
+past LOOP_STALLED_S the answer is a 503, for probes that read only the status (a
+Kubernetes liveness probe). Every other route reads and
 changes worker state through `AsyncEngine.call`, on the engine thread between steps.
 
 Who may call it (`server.security`): with a cluster key, every route but /health and
@@ -16,7 +18,7 @@ import logging
 from typing import AsyncIterator
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.disagg.decode_worker import DecodeCore
@@ -36,6 +38,8 @@ from kvrelay.server.startup import load_with_progress, run_uvicorn, serving_url,
 from kvrelay.server.worker_protocol import AbortRequest, FaultsRequest, LegRequest, WorkerHealth, output_to_json
 
 log = logging.getLogger("kvrelay.worker")
+
+LOOP_STALLED_S = 30.0   # /health is a 503 once the engine loop has not run for this long
 
 CORES: dict[str, type[WorkerCore]] = {"prefill": PrefillCore, "decode": DecodeCore}
 
@@ -65,8 +69,11 @@ def worker_app(engine: AsyncEngine, metrics: ServingMetrics, faults: bool = Fals
         return {"aborted": await on_engine(lambda c: c.abort_leg(body.rid))}
 
     @routes.get("/health")
-    async def health(request: Request) -> dict:
-        return health_body(engine, request.scope.get(AUTH_SCOPE, "off")).model_dump()
+    async def health(request: Request) -> JSONResponse:
+        body = health_body(engine, request.scope.get(AUTH_SCOPE, "off"))
+        if body.loop_age > LOOP_STALLED_S:
+            return JSONResponse({**body.model_dump(), "status": "stalled"}, status_code=503)
+        return JSONResponse(body.model_dump())
 
     async def set_faults(body: FaultsRequest) -> dict:
         """Replace this worker's fault-injection spec at run time (chaos tests, drills);
