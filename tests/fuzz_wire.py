@@ -62,6 +62,8 @@ def main() -> int:
         addresses = (pair.paddr, pair.D.core.manager.address)
         for address in addresses:
             s = ctx.socket(zmq.PUSH)
+            if key:   # past the handshake: the fuzz reaches the auth frame and the validation
+                s.plain_username, s.plain_password = b"kvrelay", key.channel_password.encode()
             s.connect(address)
             socks.append(s)
         insider = ChannelAuth(key.control_key) if key else None

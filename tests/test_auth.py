@@ -11,12 +11,14 @@ import time
 import pytest
 import zmq
 
-from disagg_helpers import CFG, DT, Harness, checksum, pattern
+from disagg_helpers import CFG, DT, LAYOUT, Harness, checksum, pattern
+from kvrelay.core.config import TransferConfig
 from kvrelay.core.keys import ClusterKey
 from kvrelay.disagg import wire
-from kvrelay.disagg.auth import WINDOW, AuthError, ChannelAuth
+from kvrelay.disagg.auth import AUTH_BYTES, WINDOW, AuthError, ChannelAuth
 from kvrelay.disagg.channel import InProcNetwork, ZmqChannel
-from kvrelay.disagg.transfer.base import TransferStatus as S
+from kvrelay.disagg.transfer import create_manager
+from kvrelay.disagg.transfer.base import TransferStatus as S, host_pool
 from kvrelay.obs.metrics import rejected_count
 from test_backends import PB, REAL, Pair, drain
 
@@ -47,24 +49,56 @@ def reason(fn) -> str | None:
 
 # ---- ChannelAuth ------------------------------------------------------------------------
 
+def flip(auth: bytes, i: int) -> bytes:
+    return auth[:i] + bytes([auth[i] ^ 1]) + auth[i + 1:]
+
+
 def test_a_sealed_message_verifies_once_and_only_as_sent():
     wall = Wall()
     tx, rx = ChannelAuth(KEY, wall=wall), ChannelAuth(KEY, wall=wall)
     auth, header, frames = sealed(tx, frames=[b"a" * 100, b"b" * 7])
-    stamp = rx.verify(DST, auth, header, frames)
-    assert rx.accept("tcp://p:1", stamp) is None
-    assert rx.accept("tcp://p:1", rx.verify(DST, auth, header, frames)) == "replay"
+    assert len(auth) == AUTH_BYTES == 84 and auth[:4] == b"KVA2"
     # anything else than what was sealed is refused before the header is parsed
     assert reason(lambda: ChannelAuth(OTHER, wall=wall).verify(DST, auth, header, frames)) == "bad_auth"
-    assert reason(lambda: rx.verify(DST, auth, b'{"x":2}', frames)) == "bad_auth"
+    assert reason(lambda: rx.verify(DST, auth, b'{"x":2}', frames)) == "bad_auth"      # same length
+    assert reason(lambda: rx.verify(DST, auth, b'{"x":22}', frames)) == "bad_auth"
     assert reason(lambda: rx.verify(DST, auth, header, [b"a" * 101, b"b" * 7])) == "bad_auth"
     assert reason(lambda: rx.verify(DST, auth, header, frames[:1])) == "bad_auth"
     assert reason(lambda: rx.verify("tcp://10.0.0.3:5000", auth, header, frames)) == "bad_auth"
-    tampered = auth[:12] + bytes([auth[12] ^ 1]) + auth[13:]   # the counter
-    assert reason(lambda: rx.verify(DST, tampered, header, frames)) == "bad_auth"
+    for i in (12, 36, 44, 52, 68, 83):   # counter, receiver boot and id, both macs
+        assert reason(lambda: rx.verify(DST, flip(auth, i), header, frames)) == "bad_auth", i
     assert reason(lambda: rx.verify(DST, None, header, frames)) == "no_auth"
     assert reason(lambda: rx.verify(DST, auth[:-1], header, frames)) == "no_auth"
     assert reason(lambda: rx.verify(DST, b'{"v":1}', header, frames)) == "no_auth"
+    assert reason(lambda: rx.verify(DST, b"KVA1" + auth[4:], header, frames)) == "no_auth"
+    stamp = rx.verify(DST, auth, header, frames)
+    assert rx.accept("tcp://p:1", stamp) is None
+    assert rx.accept("tcp://p:1", stamp) == "replay"
+    assert reason(lambda: rx.verify(DST, auth, header, frames)) == "replay"   # from the cleartext
+
+
+def test_a_sender_names_the_receiver_incarnation_it_last_accepted():
+    """Finding 10 at the unit level: a frame sealed for one incarnation of a receiver is
+    refused by the next one at the same address, which learns who still believes in the old
+    one; a first contact (no incarnation named) sealed before the receiver started is
+    refused too."""
+    wall = Wall()
+    p, d = ChannelAuth(KEY, wall=wall), ChannelAuth(KEY, wall=wall)
+    first = sealed(p, dst=DST)                      # P has heard nothing from D yet
+    assert d.accept("P", d.verify(DST, *first)) is None
+    assert p.accept(DST, p.verify("P", *sealed(d, dst="P"))) is None
+    named = sealed(p, dst=DST)                      # names d's incarnation now
+    assert named[0][36:52] == d.boot.to_bytes(8, "big") + d.sender
+    assert d.accept("P", d.verify(DST, *named)) is None
+    wall.t += 2.0
+    d2 = ChannelAuth(KEY, wall=wall)                # D restarted at the same address
+    assert d2.accept("P", d2.verify(DST, *named)) == "other_incarnation"
+    assert d2.take_unaware() == {"P"} and d2.take_unaware() == set()
+    assert reason(lambda: d2.verify(DST, *first)) == "before_boot"
+    fresh = sealed(p, dst=DST)                      # P still names the old D: refused
+    assert d2.accept("P", d2.verify(DST, *fresh)) == "other_incarnation"
+    assert p.accept(DST, p.verify("P", *sealed(d2, dst="P"))) is None   # d2's first contact
+    assert d2.accept("P", d2.verify(DST, *sealed(p, dst=DST))) is None
 
 
 def test_messages_outside_the_replay_window_are_stale():
@@ -119,6 +153,8 @@ def test_cluster_key_loading_and_derivation(tmp_path):
     b = ClusterKey.load(None, environ={"KVRELAY_CLUSTER_KEY": "0123456789abcdef0123456789abcdef"})
     assert a.control_key == b.control_key and a.http_token == b.http_token
     assert a.control_key != a.derive("worker-http") and len(a.http_token) == 64
+    assert a.channel_password == b.channel_password == ChannelAuth(a.control_key).password
+    assert len({a.channel_password, a.http_token, a.control_key.hex()}) == 3
     assert "0123" not in repr(a)
     assert ClusterKey.load(None, environ={}) is None
     assert a.check_http_token(a.http_token) and not a.check_http_token(b.http_token[:-1] + "0")
@@ -155,6 +191,16 @@ def test_inproc_channels_accept_only_frames_sealed_with_their_key():
     assert rejected_count("control", "auth_not_configured") == before["auth_not_configured"] + 1
 
 
+def plain_push(password: str | None):
+    """A raw PUSH socket; with `password`, it passes a keyed channel's handshake (an
+    attacker who read the password on the wire), without, it speaks zmq's NULL."""
+    raw = zmq.Context.instance().socket(zmq.PUSH)
+    raw.setsockopt(zmq.LINGER, 0)
+    if password is not None:
+        raw.plain_username, raw.plain_password = b"kvrelay", password.encode()
+    return raw
+
+
 def _recv_all(ch, expect: int, timeout: float = 10.0) -> list:
     got, deadline = [], time.monotonic() + timeout
     while len(got) < expect and time.monotonic() < deadline:
@@ -167,11 +213,8 @@ def _recv_all(ch, expect: int, timeout: float = 10.0) -> list:
 def test_zmq_frames_captured_on_the_wire_cannot_be_replayed_or_redirected():
     """An attacker on the path records the exact bytes P sent to D and sends them again
     from its own socket, to D and to another worker."""
-    p, d, d2 = (ZmqChannel() for _ in range(3))
-    for ch in (p, d, d2):
-        ch.auth = ChannelAuth(KEY)
-    raw = zmq.Context.instance().socket(zmq.PUSH)
-    raw.setsockopt(zmq.LINGER, 0)
+    p, d, d2 = (ZmqChannel(auth=ChannelAuth(KEY)) for _ in range(3))
+    raw = plain_push(ChannelAuth(KEY).password)   # the handshake's password travels in clear
     try:
         wire_parts = p._parts(d.address, _hb(1), ())   # exactly what p.send would put on the wire
         raw.connect(d.address)
@@ -182,8 +225,7 @@ def test_zmq_frames_captured_on_the_wire_cannot_be_replayed_or_redirected():
         assert _recv_all(d, 0) == []
         assert rejected_count("control", "replay") == replay + 1
         bad = rejected_count("control", "bad_auth")
-        raw2 = zmq.Context.instance().socket(zmq.PUSH)
-        raw2.setsockopt(zmq.LINGER, 0)
+        raw2 = plain_push(ChannelAuth(KEY).password)
         raw2.connect(d2.address)
         raw2.send_multipart(wire_parts)                    # sealed for d, not for d2
         assert _recv_all(d2, 0) == []
@@ -199,21 +241,40 @@ def test_zmq_frames_captured_on_the_wire_cannot_be_replayed_or_redirected():
 
 # ---- spoofing a worker: bootstrap, heartbeat, KV bytes -----------------------------------
 
+class Eavesdropper(ChannelAuth):
+    """Seals with a key of its own, but read the cluster's handshake password on the wire
+    (PLAIN sends it in clear): its frames get past the handshake to the auth frame check."""
+
+    @property
+    def password(self) -> str:
+        return ChannelAuth(KEY).password
+
+
 @pytest.mark.parametrize("backend", REAL)
 def test_without_the_key_no_bootstrap_no_heartbeat_no_byte_lands(backend):
-    """D and P share the key; a manager with another key (and one with none) plays the
-    attacker: it asks P to bootstrap, heartbeats D in P's name, and (tcp) sends KV frames
-    for D's live room with the right room, epoch and pages."""
+    """D and P share the key; three managers without it play the attacker: one with another
+    key (refused at the handshake, counted), one that also read the handshake password
+    (its frames refused by their auth frame), one with no key at all (zmq's NULL mechanism:
+    refused at the greeting). Each asks P to bootstrap, heartbeats D in P's name, and (tcp)
+    sends KV frames for D's live room with the right room, epoch and pages."""
     pair = Pair(backend, key=KEY)
-    attackers = [Pair(backend, key=OTHER), Pair(backend)]
+    other, unkeyed = Pair(backend, key=OTHER), Pair(backend)
+    spy = create_manager(backend, LAYOUT, TransferConfig(transfer_backend=backend), auth=Eavesdropper(OTHER))
+    host_pool(spy, 16)
+    handshakes, rejected = rejected_count("control", "bad_handshake"), rejected_count("control")
+    attackers = [  # the manager, and when all it sent has been judged
+        (other.d, lambda: rejected_count("control", "bad_handshake") >= handshakes + 2),
+        (spy, lambda: rejected_count("control") >= rejected + 4),
+        (unkeyed.d, lambda: time.monotonic() > t0 + 0.5),   # nothing to count: wait a while
+    ]
     try:
         snd, rcv = pair.rendezvous(1, [4, 5], epoch=7)
         pair.dpool[4 * PB:6 * PB] = pattern(99, 2 * PB)
         before = checksum(pair.d_bytes(range(16)))
         peers_p, peers_d = set(pair.p.peers()), set(pair.d.peers())
-        for evil in attackers:
-            e = evil.d   # the attacker's channel
-            rejected = rejected_count("control")
+        for e, done in attackers:
+            handshakes, rejected, t0 = rejected_count("control", "bad_handshake"), rejected_count("control"), \
+                time.monotonic()
             e.channel.send(pair.p.address, e._identity(wire.BootstrapQuery))
             e.channel.send(pair.d.address, wire.Heartbeat(pair.p.worker_id, "forged-incarnation", 10**6, {}))
             e.channel.send(pair.d.address, wire.Notice(1, 7, "failed", "transfer_error"))
@@ -227,7 +288,7 @@ def test_without_the_key_no_bootstrap_no_heartbeat_no_byte_lands(backend):
                 # The attacker's frames come over connections of their own, unordered with
                 # P's: wait until each is judged (refused), however loaded the machine is.
                 e.progress()
-                return rejected_count("control") >= rejected + 4
+                return done()
             assert pair.pump_until(judged), rejected_count("control") - rejected
             for _ in range(50):
                 pair.p.progress()
@@ -247,8 +308,9 @@ def test_without_the_key_no_bootstrap_no_heartbeat_no_byte_lands(backend):
         rcv.close()
     finally:
         pair.close()
-        for evil in attackers:
-            evil.close()
+        other.close()
+        unkeyed.close()
+        spy.close()
 
 
 # ---- finding 5: a forged heartbeat changes nothing ---------------------------------------
@@ -271,8 +333,7 @@ def test_forged_and_replayed_heartbeats_do_not_touch_the_lease(backend):
         if backend == "fake":
             h.network.queues[h.dm.address].append([forger.seal(h.dm.address, header), header])
         else:
-            raw = zmq.Context.instance().socket(zmq.PUSH)
-            raw.setsockopt(zmq.LINGER, 0)
+            raw = plain_push(ChannelAuth(KEY).password)   # past the handshake: the frames' auth decides
             raw.connect(h.dm.address)
             raw.send_multipart([forger.seal(h.dm.address, header), header])
             raw.send_multipart([header])   # and unsigned

@@ -7,6 +7,9 @@ never crosses the network; what does is derived from it with HMAC-SHA256 under a
 label per use, so one credential never reveals another or the secret:
 
     control      the key of the HMAC on every control and data-header frame (disagg.auth)
+    channel      the password of the channel's zmq PLAIN handshake (disagg.channel), derived
+                 from the control key (what a channel holds) under this label; it travels
+                 in clear at every handshake, so it opens the socket and nothing else
     worker-http  the bearer token the router presents to workers' HTTP APIs
 
 Invariants: a secret is at least MIN_BYTES bytes; derived values depend only on the
@@ -24,6 +27,12 @@ import stat
 ENV = "KVRELAY_CLUSTER_KEY"
 MIN_BYTES = 16
 GENERATED_BYTES = 32
+
+
+def channel_password(control_key: bytes) -> str:
+    """The zmq PLAIN password of every channel keyed with `control_key` (hex: zmq
+    passwords are text)."""
+    return hmac.new(control_key, b"kvrelay/channel", hashlib.sha256).hexdigest()
 
 
 class ClusterKey:
@@ -70,6 +79,10 @@ class ClusterKey:
     @property
     def control_key(self) -> bytes:
         return self.derive("control")
+
+    @property
+    def channel_password(self) -> str:
+        return channel_password(self.control_key)
 
     @property
     def http_token(self) -> str:

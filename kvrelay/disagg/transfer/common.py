@@ -63,8 +63,8 @@ class CommonManager(DataPath, TransferManager):
         self.faults = Faults(FaultSpec.from_config(self.transfer.fault_spec))
         if channel is None:
             channel = ZmqChannel(self.transfer.transfer_host, self.transfer.transfer_port,
-                                 max_msg_size=max(wire.MAX_FRAME_BYTES, self.max_data_frame()))
-        if auth is not None:
+                                 max_msg_size=max(wire.MAX_FRAME_BYTES, self.max_data_frame()), auth=auth)
+        elif auth is not None:
             channel.auth = auth
         self._wire = channel   # the channel under any fault injection: seals and opens blobs
         self.channel: Channel = FaultyChannel(channel, self.faults, self.clock)
@@ -241,6 +241,7 @@ class CommonManager(DataPath, TransferManager):
             if rcv.src in self._peers or rcv.src in (expected or ()):
                 self._heard[rcv.src] = now
             self._dispatch(rcv)
+        self._ask_unaware()
         for snd in list(self._senders.values()):
             snd.pump()
         self._pump_draining()
@@ -308,6 +309,13 @@ class CommonManager(DataPath, TransferManager):
         """At most one BootstrapQuery per peer per heartbeat interval."""
         if self.clock.now() - self._asked.get(address, -1e18) >= self.lifecycle.heartbeat_interval:
             self._ask(address)
+
+    def _ask_unaware(self) -> None:
+        """Ask to bootstrap every member that sealed a frame for an earlier incarnation of
+        this worker (disagg.auth "other_incarnation"): it learns that this one restarted."""
+        auth = self._wire.auth
+        for address in auth.take_unaware() if auth is not None else ():
+            self._ask_if_due(address)
 
     def _reask(self) -> None:
         """Resend BootstrapQuery while a receiver or a held Destination waits for a peer."""
