@@ -72,6 +72,12 @@ SEEDS ?= 0-19
 chaos: $(BASE) $(NIXL)
 	$(PY) tests/chaos.py --seeds $(SEEDS) $(ARGS)
 
+# Hostile and careless clients against a real `kvrelay serve` beside four streams (tests/hostile.py;
+# docs/security.md): ARGS e.g. "--only junk-frames idle-conns" or "--model default".
+.PHONY: hostile
+hostile: $(BASE)
+	$(PY) tests/hostile.py $(ARGS)
+
 # The deterministic simulation (kvrelay/sim; docs/simulation.md): SEEDS is a count or a range.
 JOBS ?= 2
 .PHONY: sim

@@ -22,7 +22,7 @@ SHARED_UNITS = {"tests/test_models.py": "default-model", "tests/test_engine.py":
 # bounds), so they run alone. Invariant: while one of them runs, no other module runs (the
 # scheduler below sends them last, all to one worker, and `_unit_lock` holds the other
 # worker's last modules off).
-ALONE = ("test_chaos.py", "test_netns.py", "test_cluster.py", "test_router.py", "test_slow_worker.py",
+ALONE = ("test_chaos.py", "test_netns.py", "test_hostile.py", "test_cluster.py", "test_router.py", "test_slow_worker.py",
          "test_worker_cores.py", "test_disagg_invariants.py", "test_transfer_progress.py", "test_late_write.py",
          "test_backends.py")
 # The other units go out longest first (measured with a per-module clock on 2 cores; then
