@@ -1,7 +1,7 @@
 """/health and /metrics never touch the engine thread (issue #53, finding 7): the engine
 thread publishes its core's health view and metrics snapshot (`AsyncEngine.published`),
 the routes read that, and a flood of scrapes costs one render, and one fan-out to the
-workers, per RENDER_CACHE_S. A wedged loop still answers /health, with a growing
+workers, per RENDER_SPACING_S, while no scrape gets state older than itself. A wedged loop still answers /health, with a growing
 `loop_age`."""
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ from kvrelay.core.clock import SimClock
 from kvrelay.core.config import KVCacheConfig, LifecycleConfig, SchedulerConfig, TransferConfig
 from kvrelay.disagg.decode_worker import DecodeCore
 from kvrelay.disagg.prefill_worker import PrefillCore
-from kvrelay.engine.engine import SNAPSHOT_PERIOD, AsyncEngine
+from kvrelay.engine.engine import AsyncEngine
 from kvrelay.engine.types import GenerateRequest, SamplingParams
 from kvrelay.obs import metrics as obs_metrics
-from kvrelay.obs.metrics import RENDER_CACHE_S, ServingMetrics, Snapshot
-from kvrelay.server.observe import SharedFetch, observability_router, scrape_workers
+from kvrelay.obs.metrics import RENDER_SPACING_S, ServingMetrics, Snapshot
+from kvrelay.server.observe import Coalesced, observability_router, scrape_workers
 from kvrelay.server.worker_app import LOOP_STALLED_S, health_body, worker_app
 
 KV = KVCacheConfig(page_size=16, max_kv_tokens=1024)
@@ -75,7 +75,6 @@ def test_health_and_metrics_read_the_published_state_and_put_nothing_on_the_inbo
     try:
         inbox = engine._inbox = CountingInbox()
         metrics = worker_metrics(engine)
-        metrics.cache_s = 0.0   # every scrape renders: this test reads fresh state
         app = worker_app(engine, metrics)
         health, text = get_all(app, ["/health", "/metrics"])
         assert health.status_code == text.status_code == 200
@@ -83,7 +82,7 @@ def test_health_and_metrics_read_the_published_state_and_put_nothing_on_the_inbo
         assert gauges(text.text, "kvrelay_requests")["bootstrap"] == 0
 
         engine.core.add(GenerateRequest("leg-1", (3, 4, 5, 6), SamplingParams(max_tokens=4)), [].append, room=7)
-        clock.advance(2 * SNAPSHOT_PERIOD)
+        clock.advance(0.05)
         assert engine.iterate()
         health, text = get_all(app, ["/health", "/metrics"])
         body = health.json()
@@ -99,7 +98,7 @@ def test_health_and_metrics_read_the_published_state_and_put_nothing_on_the_inbo
         assert inbox.puts == 0
 
         engine.core.abort("leg-1")
-        clock.advance(2 * SNAPSHOT_PERIOD)
+        clock.advance(0.05)
         engine.iterate()
         answer = get_all(app, ["/health"])[0]
         body = answer.json()
@@ -110,22 +109,21 @@ def test_health_and_metrics_read_the_published_state_and_put_nothing_on_the_inbo
         engine.core.close()
 
 
-def test_the_snapshot_is_taken_at_most_once_per_period_and_health_every_iteration(tiny_loaded):
+def test_every_iteration_publishes_the_health_view_and_the_snapshot(tiny_loaded):
     clock = SimClock()
     engine = AsyncEngine(lambda: PrefillCore(tiny_loaded, KV, SCHED, LIFE, SHM, clock=clock), threaded=False)
     try:
         first = engine.published
         engine.core.add(GenerateRequest("leg-2", (3, 4, 5), SamplingParams(max_tokens=2)), [].append, room=8)
-        engine.iterate()
-        within = engine.published
-        assert within.snapshot is first.snapshot and within.health["live_requests"] == 1
-        clock.advance(2 * SNAPSHOT_PERIOD)
+        clock.advance(0.01)
         engine.iterate()
         after = engine.published
-        assert len(after.snapshot.phases["bootstrap"]) == 1 and after.iterations == 2
+        assert after is not first and after.health["live_requests"] == 1
+        assert len(after.snapshot.phases["bootstrap"]) == 1 and after.iterations == 1
         assert after.at == clock.now()
         engine.core.abort("leg-2")
         engine.iterate()
+        assert engine.published.health["live_requests"] == 0 and not engine.published.snapshot.phases["bootstrap"]
     finally:
         engine.core.close()
 
@@ -202,8 +200,8 @@ def metrics_app(snapshot) -> tuple[FastAPI, ServingMetrics]:
 
 
 def test_a_flood_of_scrapes_renders_once_per_interval(renders):
-    """500 scrapes in a tight loop, then 200 at once: at most one render (and one call of
-    the snapshot function) per RENDER_CACHE_S; every scrape gets the exposition."""
+    """20 scrapes one after another, then 300 at once: at most one render (and one call of
+    the snapshot function) per RENDER_SPACING_S; every scrape gets the exposition."""
     snapshots = []
 
     def snapshot() -> Snapshot:
@@ -213,25 +211,33 @@ def test_a_flood_of_scrapes_renders_once_per_interval(renders):
 
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://m") as c:
-            got = [await c.get("/metrics") for _ in range(500)]
-            return got + list(await asyncio.gather(*(c.get("/metrics") for _ in range(200))))
+            got = [await c.get("/metrics") for _ in range(20)]
+            return got + list(await asyncio.gather(*(c.get("/metrics") for _ in range(300))))
 
     started = time.monotonic()
     got = asyncio.run(run())
     elapsed = time.monotonic() - started
     assert {r.status_code for r in got} == {200} and all("kvrelay_requests" in r.text for r in got)
-    assert 1 <= len(renders) <= math.ceil(elapsed / RENDER_CACHE_S) + 1, (len(renders), elapsed)
+    assert 1 <= len(renders) <= math.ceil(elapsed / RENDER_SPACING_S) + 1, (len(renders), elapsed)
     assert len(snapshots) == len(renders)
 
 
-def test_a_kept_exposition_is_at_most_the_interval_old(renders):
+def test_a_scrape_never_reads_state_older_than_itself(renders):
+    """A scrape right after another still sees what changed between them: it waits (at
+    most the spacing) for a render begun after it arrived."""
     live = [0.0]
-    _, metrics = metrics_app(lambda: Snapshot(phases={"running": list(live)}))
-    first = metrics.render()
-    live.append(1.0)
-    assert metrics.render() == first and len(renders) == 1   # kept
-    time.sleep(RENDER_CACHE_S)
-    assert gauges(metrics.render().decode(), "kvrelay_requests")["running"] == 2 and len(renders) == 2
+    app, _ = metrics_app(lambda: Snapshot(phases={"running": list(live)}))
+
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://m") as c:
+            first = (await c.get("/metrics")).text
+            live.append(1.0)
+            return [first, (await c.get("/metrics")).text]
+
+    first, second = asyncio.run(run())
+    assert gauges(first, "kvrelay_requests")["running"] == 1
+    assert gauges(second, "kvrelay_requests")["running"] == 2 and len(renders) == 2
+    assert renders[1] - renders[0] >= RENDER_SPACING_S - 0.01
 
 
 def test_the_reexport_fetches_each_worker_once_per_interval_under_concurrent_scrapes():
@@ -260,7 +266,7 @@ def test_the_reexport_fetches_each_worker_once_per_interval_under_concurrent_scr
                 rounds.append(await asyncio.gather(*(c.get("/metrics/workers") for _ in range(50))))
                 if len(rounds) == 1:
                     assert fetched == {"p": 1, "d": 1}   # one fan-out for the whole round
-                await asyncio.sleep(RENDER_CACHE_S / 2)
+                await asyncio.sleep(RENDER_SPACING_S / 2)
         await workers.aclose()
         return rounds
 
@@ -273,7 +279,7 @@ def test_the_reexport_fetches_each_worker_once_per_interval_under_concurrent_scr
               for s in f.samples if s.name == "kvrelay_worker_scrape_ok"}
         assert ok == {"http://p:1": 1.0, "http://d:2": 1.0}
     assert set(fetched) == {"p", "d"}
-    assert max(fetched.values()) <= math.ceil(elapsed / RENDER_CACHE_S) + 1, (fetched, elapsed)
+    assert max(fetched.values()) <= math.ceil(elapsed / RENDER_SPACING_S) + 1, (fetched, elapsed)
 
 
 def test_a_waiter_that_leaves_does_not_cancel_the_shared_fetch():
@@ -285,13 +291,14 @@ def test_a_waiter_that_leaves_does_not_cancel_the_shared_fetch():
         return b"x"
 
     async def run() -> bytes:
-        shared = SharedFetch(fetch)
+        shared = Coalesced(fetch)
         first = asyncio.ensure_future(shared.get())
         second = asyncio.ensure_future(shared.get())
         await asyncio.sleep(0.01)
         first.cancel()
         got = await second
-        assert first.cancelled() and await shared.get() == b"x"
+        assert first.cancelled() and calls == [1]
+        assert await shared.get() == b"x" and calls == [1, 1]   # asked after it began: a new one
         return got
 
-    assert asyncio.run(run()) == b"x" and calls == [1]
+    assert asyncio.run(run()) == b"x"

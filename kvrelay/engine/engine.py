@@ -42,12 +42,6 @@ from kvrelay.obs.metrics import Snapshot
 
 log = logging.getLogger("kvrelay.engine")
 
-# The metrics snapshot is taken again at most this often (engine clock): it costs O(live
-# requests) on the engine thread, and /metrics renders at most every metrics.RENDER_CACHE_S
-# anyway. The health view (the router's load figures, loop_age) is published every time.
-SNAPSHOT_PERIOD = 0.05
-
-
 @dataclass(frozen=True)
 class Published:
     """What the engine thread last published for other threads: replaced whole, never
@@ -57,7 +51,7 @@ class Published:
     at: float                # the engine's clock (`core.clock`) when it was published
     iterations: int          # loop iterations completed by then
     health: dict | None      # `core.health()` (worker cores; a fresh dict, never changed); else None
-    snapshot: Snapshot       # `core.snapshot()`, taken at most SNAPSHOT_PERIOD before `at`
+    snapshot: Snapshot       # `core.snapshot()` (O(live requests): tens of microseconds at 64)
 
 
 class LoopCore(Protocol):
@@ -136,8 +130,6 @@ class AsyncEngine(EngineClient):
         self._stop = threading.Event()
         self._threaded = threaded
         self.iterations = 0
-        self._snapshot: Snapshot | None = None   # the last one taken, and when (engine clock)
-        self._snapshot_at = -float("inf")
         self._publish_failed = False
         if not threaded:
             self.core: LoopCore = build_core()
@@ -205,12 +197,9 @@ class AsyncEngine(EngineClient):
         self._publish_failed = False
 
     def _views(self) -> Published:
-        """The core's views now; the last snapshot again if younger than SNAPSHOT_PERIOD."""
-        now = self.core.clock.now()
-        if now - self._snapshot_at >= SNAPSHOT_PERIOD:
-            self._snapshot, self._snapshot_at = self.core.snapshot(), now
+        """The core's views now."""
         health = self.core.health() if hasattr(self.core, "health") else None
-        return Published(now, self.iterations, health, self._snapshot)
+        return Published(self.core.clock.now(), self.iterations, health, self.core.snapshot())
 
     def loop_age(self, view: Published | None = None) -> float:
         """Seconds (engine clock) since the engine thread published `view` (default: the

@@ -4,10 +4,10 @@ Phase gauges are not incremented and decremented by hand: they are computed at s
 time from a snapshot of the live requests, so `/metrics` can never drift from
 `/debug/requests` (both read the same state; /metrics as of its render). So are the
 engine's pool, token and preemption figures (`EngineStats`), kept as plain integers on the
-engine thread. A process with an engine renders the snapshot its engine thread last
-published (`AsyncEngine.published`, at most `engine.SNAPSHOT_PERIOD` old), never asking the
-engine itself; every process renders at most once per RENDER_CACHE_S, so a flood of
-scrapes costs one render per interval, and a scrape is at most that old.
+engine thread. A process with an engine renders the snapshot its engine thread published
+after its last iteration (`AsyncEngine.published`), never asking the engine itself; a
+process renders at most once per RENDER_SPACING_S, however many scrapes come, and every
+scrape gets a render begun after it arrived (`server.observe.Coalesced`).
 
 Two views of the same data, side by side:
 - kvrelay's own series (`kvrelay_*`), labelled `role` (colocated, prefill, decode, router)
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -83,9 +82,9 @@ TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 
-# A scrape gets an exposition at most this old (Prometheus scrapes every few seconds at
-# most): however many scrapes come, a process renders once per interval.
-RENDER_CACHE_S = 0.25
+# Renders of one process begin at least this far apart: a flood of scrapes costs one render
+# per interval, each scrape waiting at most that long for one begun after it arrived.
+RENDER_SPACING_S = 0.25
 
 FRONT_DOOR = frozenset({"colocated", "router"})   # the roles clients talk to
 QUEUES = frozenset({"colocated", "prefill"})      # the roles where requests wait for compute
@@ -277,8 +276,6 @@ class ServingMetrics:
     def __init__(self, role: str, phases: tuple[str, ...], snapshot: Callable[[], Snapshot],
                  model_name: str = "") -> None:
         self.role, self.model_name = role, model_name
-        self.cache_s = RENDER_CACHE_S
-        self._rendered: tuple[float, bytes] | None = None   # (monotonic time its render began, exposition)
         self._render_lock = threading.Lock()
         self.registry = CollectorRegistry()
         self.registry.register(_SnapshotCollector(self, phases, snapshot))
@@ -349,21 +346,11 @@ class ServingMetrics:
     def observe_leg_first_token(self, seconds: float) -> None:
         self.leg_first_token.labels(*self._own()).observe(seconds)
 
-    def cached(self) -> bytes | None:
-        """The last exposition if it is younger than `cache_s`, else None. Never blocks."""
-        last = self._rendered
-        return last[1] if last is not None and time.monotonic() - last[0] < self.cache_s else None
-
     def render(self) -> bytes:
-        """The exposition, at most `cache_s` old. Invariant: renders begin at least
-        `cache_s` apart, however many threads ask at once (the others wait for it)."""
+        """The exposition, now (`snapshot` is read once). One render at a time; the
+        routes space them (`server.observe.Coalesced`)."""
         with self._render_lock:
-            text = self.cached()
-            if text is None:
-                began = time.monotonic()
-                text = generate_latest(self.registry)
-                self._rendered = (began, text)
-            return text
+            return generate_latest(self.registry)
 
 
 # ---------------------------------------------------------------- re-export

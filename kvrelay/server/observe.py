@@ -1,9 +1,10 @@
 """`/metrics` (Prometheus), `/metrics/workers` (the router's re-export of its workers'
 series) and `/debug/requests` routes, shared by every serving mode.
 
-Both metrics routes are cheap under a flood of scrapes: `/metrics` renders at most once
-per RENDER_CACHE_S (`ServingMetrics.render`), and `/metrics/workers` fetches every
-worker at most once per RENDER_CACHE_S, one fan-out at a time (`SharedFetch`)."""
+Both metrics routes are cheap under a flood of scrapes and never stale: `/metrics` renders
+at most once per RENDER_SPACING_S, `/metrics/workers` fetches every worker at most once
+per RENDER_SPACING_S, one fan-out at a time, and every scrape gets a render (fetch) begun
+after it arrived (`Coalesced`)."""
 from __future__ import annotations
 
 import asyncio
@@ -15,35 +16,42 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client.core import GaugeMetricFamily
 
-from kvrelay.obs.metrics import CONTENT_TYPE, RENDER_CACHE_S, ServingMetrics, parse_families, render_families
+from kvrelay.obs.metrics import CONTENT_TYPE, RENDER_SPACING_S, ServingMetrics, parse_families, render_families
 
 WORKERS_PATH = "/metrics/workers"
 
 
-class SharedFetch:
-    """An async fetch shared by its callers: at most one in flight, however many wait, and
-    its result kept for `ttl` seconds from the fetch's start. A caller that leaves does
-    not cancel it for the others; a fetch that raises is not kept (each waiter gets it)."""
+class Coalesced:
+    """An async producer shared by its callers. Invariants: a caller gets a result whose
+    production began after it called (never state older than its own arrival);
+    productions begin at least `spacing` seconds apart and run one at a time, so callers
+    that arrive meanwhile share the next one; a caller that leaves cancels nothing for
+    the others; an exception reaches the callers of that production only."""
 
-    def __init__(self, fetch: Callable[[], Awaitable[bytes]], ttl: float = RENDER_CACHE_S) -> None:
-        self.fetch, self.ttl = fetch, ttl
-        self._kept: tuple[float, bytes] | None = None   # (monotonic time its fetch began, result)
+    def __init__(self, produce: Callable[[], Awaitable[bytes]], spacing: float = RENDER_SPACING_S) -> None:
+        self.produce, self.spacing = produce, spacing
+        self._kept: tuple[float, bytes] | None = None   # (monotonic time its production began, result)
         self._running: asyncio.Future | None = None
 
     async def get(self) -> bytes:
-        kept = self._kept
-        if kept is not None and time.monotonic() - kept[0] < self.ttl:
-            return kept[1]
-        if self._running is None:
-            self._running = asyncio.ensure_future(self._refresh())
-        return await asyncio.shield(self._running)
+        asked = time.monotonic()
+        while True:
+            kept = self._kept
+            if kept is not None and kept[0] >= asked:
+                return kept[1]
+            if self._running is None:
+                self._running = asyncio.ensure_future(self._next())
+            began, result = await asyncio.shield(self._running)
+            if began >= asked:
+                return result
 
-    async def _refresh(self) -> bytes:
-        began = time.monotonic()
+    async def _next(self) -> tuple[float, bytes]:
         try:
-            result = await self.fetch()
-            self._kept = (began, result)
-            return result
+            if self._kept is not None:
+                await asyncio.sleep(self._kept[0] + self.spacing - time.monotonic())
+            began = time.monotonic()
+            self._kept = (began, await self.produce())
+            return self._kept
         finally:
             self._running = None
 
@@ -57,19 +65,19 @@ def observability_router(metrics: ServingMetrics,
     `worker_metrics` (the router): serve its exposition at WORKERS_PATH."""
     router = APIRouter()
 
+    # A render (pure Python over a snapshot that never blocks, a few ms) runs off the loop.
+    rendered = Coalesced(lambda: asyncio.to_thread(metrics.render))
+
     @router.get("/metrics")
     async def prometheus() -> Response:
-        # A kept exposition answers on the event loop; a render (pure Python over a
-        # snapshot that never blocks, a few ms) runs off it.
-        text = metrics.cached() or await asyncio.to_thread(metrics.render)
-        return Response(text, media_type=CONTENT_TYPE)
+        return Response(await rendered.get(), media_type=CONTENT_TYPE)
 
     if worker_metrics is not None:
-        shared = SharedFetch(worker_metrics)
+        fetched = Coalesced(worker_metrics)
 
         @router.get(WORKERS_PATH)
         async def workers() -> Response:
-            return Response(await shared.get(), media_type=CONTENT_TYPE)
+            return Response(await fetched.get(), media_type=CONTENT_TYPE)
 
     @router.get("/debug/requests")
     async def requests() -> JSONResponse:
