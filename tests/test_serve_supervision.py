@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from kvrelay.core.clock import SimClock
-from kvrelay.server.cluster import BACKOFF_MAX, STABLE_AFTER, Restarts, exit_text
+from kvrelay.server.supervisor import BACKOFF_MAX, STABLE_AFTER, Restarts, exit_text
 from kvrelay.server.pairing import WorkerTable
 from serving_helpers import assert_no_leak, free_port_run, gauge, metric_samples
 from test_cli import cmdline, serve, wait_gone  # noqa: F401 - serve: the fixture

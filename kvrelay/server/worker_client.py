@@ -221,12 +221,14 @@ class WorkerMonitor:
 
     async def check(self, url: str, limit: float | None = None) -> None:
         """One health check, waited for up to `limit` (default `check_limit`)."""
-        late = asyncio.get_running_loop().call_later(self.cfg.health_timeout, self._late, url)
+        fired: list[bool] = []   # the worker was marked slow once for this check
+        late = asyncio.get_running_loop().call_later(self.cfg.health_timeout, self._late, url, fired)
         try:
             async with asyncio.timeout(check_limit(self.cfg) if limit is None else limit):
                 health = await self.api.health(url)
         except TimeoutError:
-            self._late(url)
+            if not fired:
+                self._late(url, fired)
             return
         except LegFailure as exc:
             self.failed(url, exc.detail)
@@ -249,7 +251,8 @@ class WorkerMonitor:
                 log.log(level, f"worker {change.value}", extra={"worker": url, "role": role,
                                                                 "incarnation": health.incarnation})
 
-    def _late(self, url: str) -> None:
+    def _late(self, url: str, fired: list[bool]) -> None:
+        fired.append(True)
         self._slow(url, f"no answer to GET /health within --health-timeout {self.cfg.health_timeout:g} s")
 
     def _slow(self, url: str, error: str) -> None:
