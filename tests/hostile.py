@@ -43,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving_helpers import assert_no_leak, metric_samples, running_server  # noqa: E402
 
-STREAM_TOKENS = 2000          # each background stream (tiny model: a few seconds at 4 streams)
+STREAM_TOKENS = 2000          # each background stream (tiny model: about 7 s at 4 streams)
+SHORT_STREAM_TOKENS = 1000    # --short: about 3.5 s, as long as its attacks
 BIG = 4_000_000               # characters of a "4 MB" prompt
 CLIENT_TIMEOUT = 120.0
 
@@ -222,7 +223,7 @@ def junk_frames(t: Target, short: bool, o: Outcome) -> None:
                for hp in ports for fn in (_flood_zmq, _flood_zmq, _flood_tcp)]
     for th in threads:
         th.start()
-    time.sleep(3.0 if short else 10.0)
+    time.sleep(2.0 if short else 10.0)
     scrape = httpx.get(f"{t.role('decode')['url']}/metrics", timeout=10)   # D answers during the flood
     stop.set()
     for th in threads:
@@ -245,7 +246,7 @@ def endless(t: Target, short: bool, o: Outcome) -> None:
         s.setsockopt(zmq.LINGER, 0)
         s.connect("tcp://%s:%d" % t.transfer(d))
         socks.append(s)
-    end = time.monotonic() + (4.0 if short else 10.0)
+    end = time.monotonic() + (2.5 if short else 10.0)
     while time.monotonic() < end:
         for s in socks:
             try:
@@ -279,7 +280,7 @@ def idle_conns(t: Target, short: bool, o: Outcome) -> None:
     held = {name: _open_idle(host, port, n) for name, host, port in ends}
     trickle = [socket.create_connection(t.http({"url": t.url})) for _ in range(20)]
     checks = []
-    for _ in range(3 if short else 6):
+    for _ in range(2 if short else 6):
         for name, host, port in ends:
             r = httpx.get(f"http://{host}:{port}/health", timeout=10)
             checks.append((name, r.status_code, r.headers.get("content-type", "")))
@@ -318,13 +319,17 @@ def _scrape(host: str, port: int, rate: float, end: float, statuses: list[int]) 
     conn.close()
 
 
+SCRAPERS = 60   # connections per process: a scrape may wait up to a render spacing for its answer
+
+
 def scrapes(t: Target, short: bool, o: Outcome) -> None:
-    """200 scrapes a second of each process's /metrics (four connections of 50/s each)."""
-    seconds = 3.0 if short else 8.0
+    """200 scrapes a second of each process's /metrics, offered whatever the answers'
+    latency (SCRAPERS connections of 200 / SCRAPERS a second each)."""
+    seconds = 2.0 if short else 8.0
     end, ends = time.monotonic() + seconds, [t.http({"url": t.url}), *(t.http(w) for w in t.workers)]
     statuses: dict[tuple, list[int]] = {hp: [] for hp in ends}
-    threads = [threading.Thread(target=_scrape, args=(*hp, 50.0, end, statuses[hp]), daemon=True)
-               for hp in ends for _ in range(4)]
+    threads = [threading.Thread(target=_scrape, args=(*hp, 200.0 / SCRAPERS, end, statuses[hp]), daemon=True)
+               for hp in ends for _ in range(SCRAPERS)]
     for th in threads:
         th.start()
     for th in threads:
@@ -374,9 +379,10 @@ def lease_expiries(url: str) -> float:
     return sum(v for (n, _), v in metric_samples(url).items() if n == "kvrelay_router_lease_expiries_total")
 
 
-def run_attacks(url: str, names: list[str], short: bool, max_tokens: int = STREAM_TOKENS) -> list[Outcome]:
+def run_attacks(url: str, names: list[str], short: bool, max_tokens: int | None = None) -> list[Outcome]:
     """Every attack in `names` in turn, four streams beside each; then the cluster-wide checks."""
     t, outcomes = target(url), []
+    max_tokens = max_tokens or (SHORT_STREAM_TOKENS if short else STREAM_TOKENS)
     for name in names:
         o = Outcome(name)
         start = time.monotonic()
@@ -404,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", choices=sorted(ATTACKS), help="run only these attacks")
     ap.add_argument("--model", default=None, help="random:DIR, or 'default' for the default model "
                     "(default: a tiny random model made now)")
-    ap.add_argument("--stream-tokens", type=int, default=STREAM_TOKENS)
+    ap.add_argument("--stream-tokens", type=int, default=None,
+                    help=f"tokens of each background stream (default {STREAM_TOKENS}, --short {SHORT_STREAM_TOKENS})")
     args = ap.parse_args(argv)
     if args.model == "default":
         model = []

@@ -6,7 +6,8 @@ own veth for router<->worker HTTP. Faults go on the P<->D link only:
                      10.77.N.0/30   10.77.N.4/30   10.77.N.8/30
 
 Faults: loss (iptables `statistic`), one-way drop, partition (both ways), a bandwidth
-limit (tc tbf) and delay (tc netem, only where the kernel has it). Every address used is
+limit (tc tbf) and delay (tc netem, only where the kernel has it); and a bandwidth limit
+on a router<->worker link (`limit_router_link`). Every address used is
 inside these /30 links or 127.0.0.1. Names carry the test process's pid and a counter,
 and N is a third octet no interface of the root namespace uses yet, so parallel or
 leftover runs do not collide; `Netns.remove()` is idempotent.
@@ -187,6 +188,13 @@ class Netns:
             self.in_ns(side, "tc", "qdisc", "replace", "dev", self.pd[side][0], "root", "tbf",
                        "rate", rate, "burst", "32kbit", "latency", "400ms")
 
+    def limit_router_link(self, side: str, rate: str, queue: str) -> None:
+        """A token bucket on the link between the root namespace (the router) and `side`,
+        both ways: at most `rate`, with up to `queue` of bytes waiting."""
+        for dev, prefix in ((self.root[side][0], []), (self.inner[side][0], self.exec_prefix(side))):
+            sh(*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "32kbit",
+               "latency", queue)
+
     def delay(self, ms: float) -> None:
         """netem delay on both ends of the P<->D link (check has_netem() first)."""
         for side in ("P", "D"):
@@ -198,6 +206,8 @@ class Netns:
         for side in ("P", "D"):
             self.in_ns(side, "iptables", "-w", "-F")
             self.in_ns(side, "tc", "qdisc", "del", "dev", self.pd[side][0], "root", check=False)
+            self.in_ns(side, "tc", "qdisc", "del", "dev", self.inner[side][0], "root", check=False)
+            sh("tc", "qdisc", "del", "dev", self.root[side][0], "root", check=False)
 
 
 # ---- workers inside the namespaces ---------------------------------------------------------------

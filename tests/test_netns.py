@@ -7,7 +7,10 @@ on the P<->D link only, so router<->worker HTTP never sees them:
 - 5% loss both ways (and 20 ms delay where the kernel has netem): every request succeeds
   with the tokens of a fault-free run (tcp at the default P<->D lease, nixl at the short one);
 - a 2 Mbit/s bandwidth limit: a concurrent batch whose KV takes several leases to cross
-  succeeds with the same tokens, with no peer_failed or transfer_error anywhere.
+  succeeds with the same tokens, with no peer_failed or transfer_error anywhere;
+- the router<->D link held to 64 kbit/s with a deep queue under streams of logprobs
+  (`TestSlowRouterLink`): D's health answers come seconds late, and D is slow, never dead,
+  and no stream fails (issue #53, finding 8: a slow link read as a dead worker).
 
 tcp runs every case; nixl (UCX over tcp on the same link) the partition and loss cases.
 Needs root, `ip netns`, `tc` and `iptables`; skips with the reason where one is missing.
@@ -313,6 +316,40 @@ class TestTcpDefaultLease:
     @pytest.mark.parametrize("delay_ms", [0, 20], ids=["loss", "loss+delay"])
     def test_loss_keeps_every_request_and_its_tokens(self, cluster, delay_ms):
         check_loss(cluster, delay_ms)
+
+
+def check_slow_router_link(cluster: NetnsCluster) -> None:
+    """The router<->D link held to 64 kbit/s with a deep queue, while 6 streams send their
+    tokens with 20 top logprobs each (kilobytes a token) over it: D's health answers wait
+    seconds behind them. D is slow, never dead: every stream ends with all its tokens."""
+    before = finished_by_reason(cluster)
+    cluster.net.limit_router_link("D", "64kbit", "20s")
+    try:
+        bodies = [{"prompt": prompt(i), "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True,
+                   "logprobs": 20} for i in range(6)]
+        with ThreadPoolExecutor(6) as pool:
+            res = list(pool.map(lambda b: _stream_result(cluster.url, b), bodies))
+    finally:
+        cluster.net.heal()
+    assert [r["error"] for r in res] == [None] * 6, res
+    assert new_failures(before, finished_by_reason(cluster)) == {}, failure_lines(cluster)
+    cluster.assert_no_leak(timeout=30)
+
+
+def _stream_result(url: str, body: dict) -> dict:
+    got = {"text": "", "error": None, "answers": 0, "finish": None}
+    try:
+        _stream(url, body, got)
+    except httpx.HTTPError as e:
+        got["error"] = f"client: {e!r}"
+    return got
+
+
+class TestSlowRouterLink:
+    backend = "tcp"
+
+    def test_health_checks_slowed_by_bandwidth_never_take_the_worker_down(self, cluster):
+        check_slow_router_link(cluster)
 
 
 class TestNixl:

@@ -576,7 +576,8 @@ def test_beyond_max_queued_requests_new_requests_get_503_with_retry_after(cluste
         r = complete(router.url, body("one too many"))
         assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
         assert r.json()["error"] == {
-            "message": f"the router already holds {MAX_QUEUED} requests (--max-queued-requests); retry later",
+            "message": f"the router already holds {MAX_QUEUED} completions and this request asks for 1 "
+                       f"(--max-queued-requests {MAX_QUEUED}); retry later",
             "type": "overloaded_error", "param": None, "code": "overloaded"}
         cluster.set_faults([decode], "")
         answers = [h.response() for h in held]
