@@ -92,7 +92,7 @@ class EngineCore:
         self.max_model_len = min(sched_cfg.max_model_len or loaded.max_model_len, loaded.max_model_len)
         self.eos_ids = frozenset(loaded.eos_token_ids)
         # The engine thread detokenizes with its own copy: a Rust tokenizer must not be
-        # used from two threads at once, and the server encodes on its event loop.
+        # used from two threads at once, and the server encodes in threads of its own.
         self._tokenizer = copy.deepcopy(loaded.tokenizer)
         # Builds the llguidance tokenizer now, compiles in threads of its own (`prepare`) and
         # hands the engine thread copies of the compiled matchers.

@@ -42,6 +42,7 @@ from kvrelay.obs.metrics import Snapshot
 
 log = logging.getLogger("kvrelay.engine")
 
+
 @dataclass(frozen=True)
 class Published:
     """What the engine thread last published for other threads: replaced whole, never
