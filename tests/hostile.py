@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving_helpers import assert_no_leak, metric_samples, running_server  # noqa: E402
 
 STREAM_TOKENS = 2000          # each background stream (tiny model: about 7 s at 4 streams)
-SHORT_STREAM_TOKENS = 1000    # --short: about 3.5 s, as long as its attacks
+SHORT_STREAM_TOKENS = 800     # --short: about 3 s, as long as its attacks
 BIG = 4_000_000               # characters of a "4 MB" prompt
 CLIENT_TIMEOUT = 120.0
 

@@ -9,7 +9,7 @@ on the P<->D link only, so router<->worker HTTP never sees them:
 - a 2 Mbit/s bandwidth limit: a concurrent batch whose KV takes several leases to cross
   succeeds with the same tokens, with no peer_failed or transfer_error anywhere;
 - the router<->D link held to 64 kbit/s with a deep queue under streams of logprobs
-  (`TestSlowRouterLink`): D's health answers come seconds late, and D is slow, never dead,
+  (`check_slow_router_link`): D's health answers come seconds late, and D is slow, never dead,
   and no stream fails (issue #53, finding 8: a slow link read as a dead worker).
 
 tcp runs every case; nixl (UCX over tcp on the same link) the partition and loss cases.
@@ -299,6 +299,9 @@ class TestTcp:
     def test_partition_longer_than_the_lease_answers_every_client(self, cluster, fault):
         check_partition(cluster, fault)
 
+    def test_health_checks_slowed_by_bandwidth_never_take_the_worker_down(self, cluster):
+        check_slow_router_link(cluster)
+
 
 class TestTcpDefaultLease:
     """The slow and the lossy link at the default P<->D lease (1 s x 3), the lease users
@@ -343,13 +346,6 @@ def _stream_result(url: str, body: dict) -> dict:
     except httpx.HTTPError as e:
         got["error"] = f"client: {e!r}"
     return got
-
-
-class TestSlowRouterLink:
-    backend = "tcp"
-
-    def test_health_checks_slowed_by_bandwidth_never_take_the_worker_down(self, cluster):
-        check_slow_router_link(cluster)
 
 
 class TestNixl:

@@ -162,8 +162,8 @@ class EngineCore:
                 f"prompt ({n}) + max_tokens ({params.max_tokens}) needs more KV than the whole pool holds "
                 f"({self.capacity_tokens} tokens); lower max_tokens or raise --max-kv-tokens", param="max_tokens")
         self._validate_n(n, params)
-        if params.grammar is not None and self.grammars.unavailable:
-            raise RequestRejected(self.grammars.unavailable, param="grammar")
+        if params.grammar is not None and self.grammars.refused_now():
+            raise RequestRejected(self.grammars.refused_now(), param="grammar")
 
     async def prepare(self, greq: GenerateRequest) -> Compiled | None:
         """Compile `greq`'s grammar off the engine thread and off the caller's loop (any

@@ -112,9 +112,10 @@ class Compiled:
 
 class GrammarCompiler:
     """Compiles specs against one model's tokenizer in COMPILE_THREADS threads of its own
-    (llguidance's Rust releases the GIL). The llguidance tokenizer is built here, with the
-    engine (~0.5 s for a 49k vocabulary, mostly holding the GIL), never inside a request;
-    a tokenizer it cannot wrap leaves `unavailable` set and every spec refused.
+    (llguidance's Rust releases the GIL). The llguidance tokenizer is built with the engine,
+    as the first job of those threads (~0.5 s for a 49k vocabulary, mostly holding the
+    GIL), so an engine is ready without waiting for it and no request ever builds it; a
+    tokenizer it cannot wrap leaves `unavailable` set and every spec refused.
 
     Invariants: a spec compiles once per stay in the cache (concurrent requests for it wait
     on one compilation) unless a request spends it; a compilation someone holds (a request
@@ -123,13 +124,33 @@ class GrammarCompiler:
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids) -> None:
         self.vocab_size, self.eos_ids = vocab_size, list(eos_ids)
-        self.tokenizer, self.unavailable = _llg_tokenizer(hf_tokenizer, vocab_size, tuple(self.eos_ids))
-        self.words = (self.tokenizer.vocab_size + 31) // 32 if self.tokenizer is not None else 0
         self.scratch = MaskScratch()
         self._cache: OrderedDict[GrammarSpec, concurrent.futures.Future] = OrderedDict()   # LRU, done or running
         self._live: weakref.WeakValueDictionary[GrammarSpec, Compiled] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()   # _cache and _live
         self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="kvrelay-grammar")
+        self._built = self._pool.submit(_llg_tokenizer, hf_tokenizer, vocab_size, tuple(self.eos_ids))
+
+    @property
+    def tokenizer(self):
+        """The llguidance tokenizer (None: unavailable); waits for its build."""
+        return self._built.result()[0]
+
+    @property
+    def unavailable(self) -> str:
+        """Why structured output is not available for this model ("" if it is); waits for the build."""
+        return self._built.result()[1]
+
+    def refused_now(self) -> str:
+        """`unavailable`, without waiting: "" while the tokenizer is still being built
+        (`prepare` refuses then, in the pool)."""
+        return self._built.result()[1] if self._built.done() else ""
+
+    @property
+    def words(self) -> int:
+        """int32 words in one bitmask row."""
+        tok = self.tokenizer
+        return (tok.vocab_size + 31) // 32 if tok is not None else 0
 
     async def prepare(self, spec: GrammarSpec, budget: float = COMPILE_BUDGET_S) -> Compiled:
         """`spec` compiled, waited for without blocking the caller's loop; hold the result
@@ -158,8 +179,8 @@ class GrammarCompiler:
         return GrammarMatcher(compiled.matcher.deep_copy(), self.words, self.scratch, compiled)
 
     def _future(self, spec: GrammarSpec) -> concurrent.futures.Future:
-        if self.unavailable:
-            raise RequestRejected(self.unavailable, param="grammar")
+        if self.refused_now():
+            raise RequestRejected(self.refused_now(), param="grammar")
         with self._lock:
             fut = self._cache.get(spec)
             if fut is not None and not _spent(fut):
@@ -179,6 +200,8 @@ class GrammarCompiler:
 
     def _compile(self, spec: GrammarSpec) -> Compiled:
         """In the pool: the latest compilation of `spec`, published to `_live`."""
+        if self.unavailable:
+            raise RequestRejected(self.unavailable, param="grammar")
         compiled = self._build(spec)
         with self._lock:
             self._live[spec] = compiled

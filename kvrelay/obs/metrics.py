@@ -84,7 +84,7 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 
 # Renders of one process begin at least this far apart: a flood of scrapes costs one render
 # per interval, each scrape waiting at most that long for one begun after it arrived.
-RENDER_SPACING_S = 0.25
+RENDER_SPACING_S = 0.1
 
 FRONT_DOOR = frozenset({"colocated", "router"})   # the roles clients talk to
 QUEUES = frozenset({"colocated", "prefill"})      # the roles where requests wait for compute
