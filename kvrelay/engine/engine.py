@@ -108,15 +108,6 @@ class LoopCore(Protocol):
         A core with a health view (a worker core) also has `health() -> dict`."""
 
 
-def _sink_for(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> Callable[[StepOutput], None]:
-    def sink(out: StepOutput) -> None:
-        try:
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
-        except RuntimeError:  # the consumer's event loop is closed: nobody is left to tell
-            pass
-    return sink
-
-
 class AsyncEngine(EngineClient):
     def __init__(self, build_core: Callable[[], LoopCore], idle_wait: float = 0.05, *,
                  threaded: bool = True) -> None:
@@ -132,6 +123,9 @@ class AsyncEngine(EngineClient):
         self._threaded = threaded
         self.iterations = 0
         self._publish_failed = False
+        # Outputs produced since the last publish, handed to their consumers right after it
+        # (engine thread only): a client that has an output finds its effects in `published`.
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, StepOutput]] = []
         if not threaded:
             self.core: LoopCore = build_core()
             self.published: Published = self._views()
@@ -185,17 +179,33 @@ class AsyncEngine(EngineClient):
         return ok
 
     def _publish(self) -> None:
-        """On the engine thread: replace `published`. Invariant: never raises into the
-        loop; a view that raises publishes nothing, so `loop_age()` grows and the router
+        """On the engine thread: replace `published`, then hand out the outputs produced
+        since the last publish. Invariant: never raises into the loop, and never loses an
+        output; a view that raises publishes nothing, so `loop_age()` grows and the router
         drops this worker as it would one whose loop hung (logged once per failing run)."""
         try:
             self.published = self._views()
+            self._publish_failed = False
         except Exception:
             if not self._publish_failed:
                 log.exception("publishing the engine's views failed; its published state grows old")
             self._publish_failed = True
-            return
-        self._publish_failed = False
+        finally:
+            self._hand_out()
+
+    def _sink(self, loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> Callable[[StepOutput], None]:
+        """A request's sink: its outputs wait in the outbox for the next publish."""
+        def sink(out: StepOutput) -> None:
+            self._outbox.append((loop, outputs, out))
+        return sink
+
+    def _hand_out(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        for loop, outputs, out in outbox:
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, out)
+            except RuntimeError:  # the consumer's event loop is closed: nobody is left to tell
+                pass
 
     def _views(self) -> Published:
         """The core's views now."""
@@ -300,7 +310,7 @@ class AsyncEngine(EngineClient):
         try:
             # Inside the try: a consumer cancelled while the add is in flight still aborts
             # (the inbox is FIFO, so the abort lands after the add).
-            self._inbox.put(("add", request, _sink_for(loop, outputs), add_kwargs, added))
+            self._inbox.put(("add", request, self._sink(loop, outputs), add_kwargs, added))
             await asyncio.wrap_future(added)
             while not finished:
                 out = await outputs.get()
