@@ -280,7 +280,7 @@ def idle_problems(cluster: Cluster) -> tuple[list[str], list[str]]:
 
 
 def router_counter(cluster: Cluster, name: str) -> float:
-    return sum(v for (n, _), v in metric_samples(cluster.url).items() if n == name)
+    return sum(gauge(metric_samples(cluster.url), name))
 
 
 def stall_problems(ep: Episode, before: dict[str, float], cluster: Cluster) -> list[str]:

@@ -26,7 +26,6 @@ test suite's version: tests/test_hostile.py).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
@@ -41,7 +40,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serving_helpers import assert_no_leak, metric_samples, running_server  # noqa: E402
+from serving_helpers import assert_no_leak, gauge, metric_samples, running_server  # noqa: E402
 
 STREAM_TOKENS = 2000          # each background stream (tiny model: about 7 s at 4 streams)
 SHORT_STREAM_TOKENS = 800     # --short: about 3 s, as long as its attacks
@@ -376,7 +375,7 @@ ATTACKS = {"big-prompts": big_prompts, "big-tokenize": big_tokenize, "junk-frame
 
 
 def lease_expiries(url: str) -> float:
-    return sum(v for (n, _), v in metric_samples(url).items() if n == "kvrelay_router_lease_expiries_total")
+    return sum(gauge(metric_samples(url), "kvrelay_router_lease_expiries_total"))
 
 
 def run_attacks(url: str, names: list[str], short: bool, max_tokens: int | None = None) -> list[Outcome]:

@@ -271,12 +271,7 @@ class RouterClient(EngineClient):
 
     def _admit(self, request: GenerateRequest) -> Routed:
         n = request.params.n
-        if self._units + n > self.cfg.max_queued_requests:
-            self.metrics.record_finish("failed", "overloaded")
-            log.warning("request finished", extra={"rid": request.rid, "outcome": "failed", "reason": "overloaded",
-                                                   "live": len(self._live)})
-            raise OpenAIError(503, f"the router already holds {self._units} completions "
-                              "(--max-queued-requests); retry later", None, "overloaded", retry_headers(503))
+        self.check_capacity(n, "n")
         now = self.clock.now()
         routed = Routed(request.rid, len(request.prompt_ids), arrival=now, deadline=now + self.cfg.request_timeout,
                         phase_since=now, n=n)

@@ -506,8 +506,8 @@ class Sim:
             return   # the peer never learned of this side's endpoint: nothing to tell it yet
         net, peer = self.net, ep.peer_address
         sent = net.notices.get((w.address, peer, ev.room))
-        if sent is not None:
-            if sent:   # lost on the way: heartbeats tell the peer, within its lease
+        if sent is not None:   # arrived: the peer acts on it; lost ([]): heartbeats tell it, within its lease
+            if sent:
                 self._peer_end.setdefault(peer, {})[ev.room] = min(sent)
             return
         link = net.links.get((w.address, peer))
