@@ -32,7 +32,7 @@ from kvrelay.disagg.transfer import create_manager
 from kvrelay.disagg.transfer.base import TransferStatus as S, host_pool
 from kvrelay.obs.metrics import rejected_count
 from test_auth import Wall, plain_push, reason
-from test_backends import PB, Pair
+from test_backends import PB, Pair, assert_idle
 
 KEY = ClusterKey(b"the cluster's secret, 32 bytes..").control_key
 PASSWORD = ChannelAuth(KEY).password
@@ -247,6 +247,7 @@ def test_junk_floods_on_both_ports_leave_a_transfer_whole():
             assert checksum(pair.d_bytes(dst)) == checksum(data) and rcv.aux().first_token == room
             snd.close()
             rcv.close()
+        assert_idle(pair)
     finally:
         flood.close()
         pair.close()

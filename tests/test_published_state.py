@@ -124,6 +124,7 @@ def test_every_iteration_publishes_the_health_view_and_the_snapshot(tiny_loaded)
         engine.core.abort("leg-2")
         engine.iterate()
         assert engine.published.health["live_requests"] == 0 and not engine.published.snapshot.phases["bootstrap"]
+        engine.core.check_idle()
     finally:
         engine.core.close()
 
@@ -139,6 +140,7 @@ def test_a_view_that_raises_publishes_nothing_and_never_stops_the_loop(tiny_load
         del engine.core.health
         engine.iterate()
         assert engine.published.iterations == 2 and engine.loop_age() == 0.0
+        engine.core.check_idle()
     finally:
         engine.core.close()
 
@@ -168,6 +170,7 @@ def test_a_wedged_engine_thread_still_answers_health_and_metrics(tiny_loaded):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert body["loop_age"] < second.json()["loop_age"]
+        engine.check_idle()
     finally:
         release.set()
         engine.shutdown()
